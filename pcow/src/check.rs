@@ -1,0 +1,3 @@
+//! Check.
+#![allow(missing_docs)]
+pub fn _y() {}

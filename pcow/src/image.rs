@@ -1,0 +1,984 @@
+//! An open pcow image: its staged metadata, lookups through layers and
+//! bases, reads, writes and cluster allocation.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions as FsOpenOptions};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::path::{Path, PathBuf};
+
+use crate::chain::{Backing, ChainCtx};
+use crate::error::{Error, Result};
+use crate::format::{
+    features, BaseRef, FormatError, Geometry, Header, MAGIC, MAX_VIRTUAL_SIZE, PAGE_SIZE,
+};
+use crate::io::{FileStorage, Storage};
+
+/// Multiplicative hash for cluster numbers: the keys are integers that
+/// SipHash would spend most of the open time on.
+#[derive(Default)]
+pub(crate) struct VcnHasher(u64);
+
+impl Hasher for VcnHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (n ^ (n >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+pub(crate) type VcnMap = HashMap<u64, u32, BuildHasherDefault<VcnHasher>>;
+
+/// A layer: a snapshot cluster (or the file start) and the entries after it.
+#[derive(Debug)]
+pub(crate) struct Layer {
+    /// The snapshot cluster that starts it (0 for layer 0).
+    pub start: u64,
+    /// The layer it is stacked on (`None` only for layer 0).
+    pub parent: Option<u32>,
+    /// The snapshot recorded in this layer's snapshot cluster; it names the
+    /// view of `parent`.
+    pub snap: Option<SnapshotInfo>,
+    /// vcn -> entry index.
+    pub map: VcnMap,
+    /// Slot holding the committed snapshot cluster (layers >= 1).
+    pub cur_slot: Option<u8>,
+    /// The snapshot cluster must be written at the next barrier.
+    pub dirty: bool,
+}
+
+/// A meta cluster and its data clusters.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    pub meta: u64,
+    pub layer: u32,
+    pub first: u32,
+    pub used: u32,
+    pub cur_slot: Option<u8>,
+    pub dirty: bool,
+}
+
+/// One data cluster.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Entry {
+    pub vcn: u64,
+    pub cluster: u64,
+    pub seg: u32,
+}
+
+/// A snapshot as the API reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SnapshotInfo {
+    /// Numeric id, unique in the file.
+    pub id: u32,
+    /// UTF-8 tag, unique in the file.
+    pub tag: String,
+    /// Creation time, seconds since the Unix epoch.
+    pub time_sec: u64,
+    /// Nanoseconds part of the creation time.
+    pub time_nsec: u32,
+    /// The layer whose view the snapshot names.
+    pub layer: u32,
+}
+
+/// Where a 4 KiB page of a view comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PageSrc {
+    /// This file, at this data cluster.
+    Local(u64),
+    /// The base image, at the same virtual offset.
+    Base,
+    /// Nothing holds it.
+    Zero,
+}
+
+/// How to open an image.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenOptions {
+    /// Open the top image for writing (exclusive lock).
+    pub writable: bool,
+    /// Take no locks (like `qemu-img -U`): for inspecting an image in use.
+    pub force_share: bool,
+    /// Do not open the base chain (commit uses this to open the base for writing).
+    pub skip_base: bool,
+    /// Collect non-fatal rule violations in [`Image::findings`] instead of
+    /// failing (used by `check`).
+    pub lenient: bool,
+}
+
+impl OpenOptions {
+    /// Read-only, locked.
+    pub fn read_only() -> Self {
+        Self::default()
+    }
+    /// Read-write, locked.
+    pub fn read_write() -> Self {
+        OpenOptions {
+            writable: true,
+            ..Self::default()
+        }
+    }
+}
+
+/// How to create an image.
+#[derive(Debug, Clone, Default)]
+pub struct CreateOptions {
+    /// Cluster size in bytes (default 64 KiB).
+    pub cluster_size: Option<u64>,
+    /// Virtual size in bytes (default: the base's size).
+    pub virtual_size: Option<u64>,
+    /// Base image, as it will be stored (relative to the new image's directory).
+    pub base: Option<BaseRef>,
+}
+
+/// Default cluster size.
+pub const DEFAULT_CLUSTER_SIZE: u64 = 64 << 10;
+/// Bytes the writer pre-allocates past the last assigned cluster.
+const POOL_BYTES: u64 = 4 << 20;
+
+/// An open pcow image and its base chain.
+pub struct Image {
+    pub(crate) path: PathBuf,
+    pub(crate) storage: Box<dyn Storage>,
+    pub(crate) writable: bool,
+    pub(crate) g: Geometry,
+    /// Staged header: counters and fields as the next barrier will write them.
+    pub(crate) header: Header,
+    /// Slot (0 = A, 1 = B) holding the committed header.
+    pub(crate) header_slot: u8,
+    pub(crate) committed_gen: u64,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) segments: Vec<Segment>,
+    pub(crate) entries: Vec<Entry>,
+    /// `W` words per entry, staged.
+    pub(crate) bitmaps: Vec<u64>,
+    /// End of the last structure (staged `cluster_count`).
+    pub(crate) next_cluster: u64,
+    /// Physical length of the file, pool included.
+    pub(crate) file_len: u64,
+    pool_clusters: u64,
+    /// Data was written since the last sync.
+    pub(crate) data_dirty: bool,
+    /// Staged metadata differs from the committed image.
+    pub(crate) meta_dirty: bool,
+    /// File offsets of stale or torn slots found by the scan (L2).
+    pub(crate) stale: Vec<u64>,
+    /// Clusters past the committed end at open time (L1).
+    pub(crate) uncommitted_at_open: u64,
+    /// DIRTY was set when the image was opened (L3).
+    pub(crate) dirty_at_open: bool,
+    pub(crate) findings: Vec<FormatError>,
+    pub(crate) base: Option<Box<Backing>>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for Image {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Image")
+            .field("path", &self.path)
+            .field("writable", &self.writable)
+            .field("virtual_size", &self.header.virtual_size)
+            .field("cluster_size", &self.g.cluster_size())
+            .finish()
+    }
+}
+
+pub(crate) fn io_err<'a>(
+    path: &'a Path,
+    op: &'static str,
+) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        path: path.to_owned(),
+        op,
+        source,
+    }
+}
+
+/// Takes an advisory lock on the whole file; a conflict is [`Error::Locked`].
+pub(crate) fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+    let r = if exclusive {
+        file.try_lock()
+    } else {
+        file.try_lock_shared()
+    };
+    match r {
+        Ok(()) => Ok(()),
+        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
+            path: path.to_owned(),
+        }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io_err(path, "locking")(e)),
+    }
+}
+
+/// Whether the file starts with the pcow magic.
+pub fn is_pcow(file: &File) -> std::io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let mut m = [0u8; 8];
+    match file.read_exact_at(&mut m, 0) {
+        Ok(()) => Ok(m == MAGIC),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+impl Image {
+    /// Opens the image at `path` and its base chain.
+    pub fn open(path: impl AsRef<Path>, opts: OpenOptions) -> Result<Image> {
+        let path = path.as_ref();
+        let file = FsOpenOptions::new()
+            .read(true)
+            .write(opts.writable)
+            .open(path)
+            .map_err(io_err(path, "opening"))?;
+        if !opts.force_share {
+            lock_file(&file, path, opts.writable)?;
+        }
+        let mut ctx = ChainCtx {
+            force_share: opts.force_share,
+            ..ChainCtx::default()
+        };
+        ctx.visit(&file, path)?;
+        Self::open_inner(Box::new(FileStorage::new(file)), path, opts, &mut ctx)
+    }
+
+    /// Opens an image on any storage; `path` names it in errors and anchors
+    /// relative base names. Used by crash tests.
+    pub fn open_storage(
+        storage: Box<dyn Storage>,
+        path: impl AsRef<Path>,
+        opts: OpenOptions,
+    ) -> Result<Image> {
+        Self::open_inner(storage, path.as_ref(), opts, &mut ChainCtx::default())
+    }
+
+    pub(crate) fn open_inner(
+        storage: Box<dyn Storage>,
+        path: &Path,
+        opts: OpenOptions,
+        ctx: &mut ChainCtx,
+    ) -> Result<Image> {
+        let fmt_err = |source| Error::Format {
+            path: path.to_owned(),
+            source,
+        };
+        let file_len = storage.len().map_err(io_err(path, "reading the size"))?;
+        let (header, header_slot) =
+            crate::scan::read_header(storage.as_ref(), file_len).map_err(|e| match e {
+                crate::scan::HeaderError::Io(source) => Error::Io {
+                    path: path.to_owned(),
+                    op: "reading the header",
+                    source,
+                },
+                crate::scan::HeaderError::Format(f) => fmt_err(f),
+            })?;
+        let g = header.geometry;
+        let mut img = Image {
+            path: path.to_owned(),
+            storage,
+            writable: opts.writable,
+            g,
+            committed_gen: header.generation,
+            dirty_at_open: header.dirty(),
+            header,
+            header_slot,
+            layers: Vec::new(),
+            segments: Vec::new(),
+            entries: Vec::new(),
+            bitmaps: Vec::new(),
+            next_cluster: 0,
+            file_len,
+            pool_clusters: (POOL_BYTES >> g.cluster_bits()).max(1),
+            data_dirty: false,
+            meta_dirty: false,
+            stale: Vec::new(),
+            uncommitted_at_open: 0,
+            findings: Vec::new(),
+            base: None,
+            closed: false,
+        };
+        img.scan(opts.lenient)?;
+        img.uncommitted_at_open = (file_len >> g.cluster_bits())
+            .saturating_sub(img.header.cluster_count)
+            + u64::from(file_len % g.cluster_size() != 0);
+        if let (Some(base), false) = (img.header.base.clone(), opts.skip_base) {
+            let b = crate::chain::open_base(path, &base, ctx)?;
+            img.base = Some(Box::new(b));
+        }
+        if opts.writable {
+            img.start_writing()?;
+        }
+        Ok(img)
+    }
+
+    /// Creates a new empty image at `path` (replacing any file there) and
+    /// opens it for writing.
+    pub fn create(path: impl AsRef<Path>, opts: &CreateOptions) -> Result<Image> {
+        let path = path.as_ref();
+        let cluster_size = opts.cluster_size.unwrap_or(DEFAULT_CLUSTER_SIZE);
+        let g = Geometry::from_cluster_size(cluster_size).ok_or_else(|| {
+            Error::Invalid(format!(
+                "cluster size {cluster_size} must be a power of two from 4096 to 2097152"
+            ))
+        })?;
+        if let Some(b) = &opts.base {
+            crate::chain::check_base_name(&b.name)?;
+        }
+        let file = FsOpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io_err(path, "creating"))?;
+        lock_file(&file, path, true)?;
+        // The base must exist and be readable before anything is written.
+        let mut ctx = ChainCtx::default();
+        ctx.visit(&file, path)?;
+        let base = match &opts.base {
+            Some(b) => Some(crate::chain::open_base(path, b, &mut ctx)?),
+            None => None,
+        };
+        let virtual_size = match (opts.virtual_size, &base) {
+            (Some(s), _) => s,
+            (None, Some(b)) => b.size().next_multiple_of(g.cluster_size()),
+            (None, None) => {
+                return Err(Error::Invalid(
+                    "a size is needed when there is no base image".into(),
+                ))
+            }
+        };
+        check_virtual_size(virtual_size, g)?;
+        drop(base);
+        let mut storage = FileStorage::new(file);
+        storage.set_len(0).map_err(io_err(path, "truncating"))?;
+        let mut header = Header::new(g, virtual_size, opts.base.clone());
+        header.generation = 1;
+        storage
+            .write_at(&header.encode(), 0)
+            .map_err(io_err(path, "writing the header"))?;
+        storage
+            .set_len(g.cluster_size())
+            .map_err(io_err(path, "sizing"))?;
+        storage.sync().map_err(io_err(path, "syncing"))?;
+        let mut ctx = ChainCtx::default();
+        if let Some(f) = storage.file() {
+            ctx.visit(f, path)?;
+        }
+        Self::open_inner(Box::new(storage), path, OpenOptions::read_write(), &mut ctx)
+    }
+
+    /// Creates an empty image on any storage (crash tests).
+    pub fn create_storage(
+        mut storage: Box<dyn Storage>,
+        path: impl AsRef<Path>,
+        cluster_size: u64,
+        virtual_size: u64,
+    ) -> Result<Image> {
+        let path = path.as_ref();
+        let g = Geometry::from_cluster_size(cluster_size)
+            .ok_or_else(|| Error::Invalid(format!("bad cluster size {cluster_size}")))?;
+        check_virtual_size(virtual_size, g)?;
+        let mut header = Header::new(g, virtual_size, None);
+        header.generation = 1;
+        storage.set_len(0).map_err(io_err(path, "truncating"))?;
+        storage
+            .write_at(&header.encode(), 0)
+            .map_err(io_err(path, "writing the header"))?;
+        storage
+            .set_len(g.cluster_size())
+            .map_err(io_err(path, "sizing"))?;
+        storage.sync().map_err(io_err(path, "syncing"))?;
+        Self::open_storage(storage, path, OpenOptions::read_write())
+    }
+
+    /// Repairs crash residue and marks the image DIRTY: the first header
+    /// write of a writer. Stale slots go first, or the new header would make
+    /// them valid.
+    fn start_writing(&mut self) -> Result<()> {
+        let path = self.path.clone();
+        if !self.stale.is_empty() {
+            let zeros = vec![0u8; self.g.slot_size()];
+            for off in std::mem::take(&mut self.stale) {
+                self.storage
+                    .write_at(&zeros, off)
+                    .map_err(io_err(&path, "zeroing a stale slot"))?;
+            }
+            self.storage.sync().map_err(io_err(&path, "syncing"))?;
+        }
+        let committed_len = self.g.offset(self.header.cluster_count);
+        if self.file_len != committed_len {
+            self.storage
+                .set_len(committed_len)
+                .map_err(io_err(&path, "truncating uncommitted clusters"))?;
+            self.file_len = committed_len;
+        }
+        self.header.incompatible |= features::INCOMPAT_DIRTY;
+        self.header.autoclear &= features::SUPPORTED_AUTOCLEAR;
+        self.meta_dirty = true;
+        self.flush()
+    }
+
+    /// Clears DIRTY with a final barrier, drops the pre-allocated pool and
+    /// closes. Dropping an image does the same but can only log errors.
+    pub fn close(mut self) -> Result<()> {
+        self.close_inner()
+    }
+
+    fn close_inner(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        if !self.writable {
+            return Ok(());
+        }
+        self.header.incompatible &= !features::INCOMPAT_DIRTY;
+        self.meta_dirty = true;
+        self.flush()?;
+        let end = self.g.offset(self.next_cluster);
+        if self.file_len > end {
+            self.storage
+                .set_len(end)
+                .map_err(io_err(&self.path, "dropping the pool"))?;
+            self.file_len = end;
+        }
+        Ok(())
+    }
+
+    // ----- accessors -----
+
+    /// The image's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// Geometry (cluster size and derived sizes).
+    pub fn geometry(&self) -> Geometry {
+        self.g
+    }
+    /// Cluster size in bytes.
+    pub fn cluster_size(&self) -> u64 {
+        self.g.cluster_size()
+    }
+    /// Virtual size in bytes.
+    pub fn virtual_size(&self) -> u64 {
+        self.header.virtual_size
+    }
+    /// Number of data clusters in the file, all layers.
+    pub fn allocated_clusters(&self) -> u64 {
+        self.entries.len() as u64
+    }
+    /// The base reference stored in the header.
+    pub fn base_ref(&self) -> Option<&BaseRef> {
+        self.header.base.as_ref()
+    }
+    /// The opened base image, if any.
+    pub fn base(&self) -> Option<&Backing> {
+        self.base.as_deref()
+    }
+    /// Whether this handle may write.
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+    /// The header as the next barrier will write it.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+    /// Non-fatal rule violations found by a lenient open.
+    pub fn findings(&self) -> &[FormatError] {
+        &self.findings
+    }
+    /// The storage's file, if it is one.
+    pub fn file(&self) -> Option<&File> {
+        self.storage.file()
+    }
+    /// Committed end of the file in clusters, as staged.
+    pub fn cluster_count(&self) -> u64 {
+        self.next_cluster
+    }
+    /// Sets how many clusters the writer pre-allocates ahead.
+    pub fn set_pool_clusters(&mut self, n: u64) {
+        self.pool_clusters = n.max(1);
+    }
+
+    // ----- lookups -----
+
+    pub(crate) fn bitmap(&self, e: u32) -> &[u64] {
+        let w = self.g.words();
+        &self.bitmaps[e as usize * w..(e as usize + 1) * w]
+    }
+
+    pub(crate) fn bit(&self, e: u32, page: usize) -> bool {
+        self.bitmap(e)[page / 64] & (1 << (page % 64)) != 0
+    }
+
+    fn set_bits(&mut self, e: u32, first: usize, last: usize) {
+        let w = self.g.words();
+        let bm = &mut self.bitmaps[e as usize * w..(e as usize + 1) * w];
+        for p in first..=last {
+            bm[p / 64] |= 1 << (p % 64);
+        }
+        let seg = self.entries[e as usize].seg as usize;
+        self.segments[seg].dirty = true;
+        self.meta_dirty = true;
+    }
+
+    /// Layers from `layer` down to layer 0.
+    pub(crate) fn path_of(&self, layer: Option<u32>) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(layer, move |l| self.layers[*l as usize].parent)
+    }
+
+    /// The source of page `page` of cluster `vcn` in the view of `layer`
+    /// (`None`: the view below layer 0, the base).
+    pub(crate) fn page_src(&self, layer: Option<u32>, vcn: u64, page: usize) -> PageSrc {
+        for l in self.path_of(layer) {
+            if let Some(&e) = self.layers[l as usize].map.get(&vcn) {
+                if self.bit(e, page) {
+                    return PageSrc::Local(self.entries[e as usize].cluster);
+                }
+            }
+        }
+        if self.base.is_some() {
+            PageSrc::Base
+        } else {
+            PageSrc::Zero
+        }
+    }
+
+    /// Whether anything in the view of `layer` (or below it) holds data in
+    /// the byte range `[off, off + len)`.
+    pub(crate) fn view_has_data(&self, layer: Option<u32>, off: u64, len: u64) -> bool {
+        let cs = self.g.cluster_size();
+        let (first, last) = (off / cs, (off + len - 1) / cs);
+        for vcn in first..=last {
+            if self
+                .path_of(layer)
+                .any(|l| self.layers[l as usize].map.contains_key(&vcn))
+            {
+                return true;
+            }
+        }
+        self.base.as_ref().is_some_and(|b| b.has_data(off, len))
+    }
+
+    /// The active layer.
+    pub fn active_layer(&self) -> u32 {
+        self.header.active_layer
+    }
+
+    fn check_range(&self, offset: u64, len: usize) -> Result<()> {
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|e| e > self.header.virtual_size) {
+            return Err(Error::OutOfRange {
+                path: self.path.clone(),
+                offset,
+                len: len as u64,
+                size: self.header.virtual_size,
+            });
+        }
+        Ok(())
+    }
+
+    // ----- reads -----
+
+    /// Reads the image's content (the active layer's view).
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        self.check_range(offset, buf.len())?;
+        self.read_view(Some(self.header.active_layer), buf, offset)
+    }
+
+    /// Reads the view of `layer` (`None`: the base below layer 0). Bytes past
+    /// the virtual size read as zeros (a larger overlay reading its base).
+    pub(crate) fn read_view(&self, layer: Option<u32>, buf: &mut [u8], offset: u64) -> Result<()> {
+        let vs = self.header.virtual_size;
+        let cs = self.g.cluster_size();
+        let mut done = 0usize;
+        // A run of pages with the same kind of source and contiguous file
+        // offsets is read with one call.
+        let mut run: Option<(PageSrc, usize, u64)> = None; // (src, buf start, file offset)
+        while done < buf.len() {
+            let off = offset + done as u64;
+            if off >= vs {
+                self.flush_run(&mut run, buf, done, offset)?;
+                buf[done..].fill(0);
+                return Ok(());
+            }
+            let vcn = off / cs;
+            let in_cluster = off % cs;
+            let page = (in_cluster / PAGE_SIZE) as usize;
+            let n = ((PAGE_SIZE - in_cluster % PAGE_SIZE) as usize).min(buf.len() - done);
+            let src = self.page_src(layer, vcn, page);
+            let file_off = match src {
+                PageSrc::Local(c) => self.g.offset(c) + in_cluster,
+                _ => 0,
+            };
+            let extends = match (&run, src) {
+                (Some((PageSrc::Local(_), s, fo)), PageSrc::Local(_)) => {
+                    fo + (done - s) as u64 == file_off
+                }
+                (Some((PageSrc::Base, _, _)), PageSrc::Base)
+                | (Some((PageSrc::Zero, _, _)), PageSrc::Zero) => true,
+                _ => false,
+            };
+            if !extends {
+                self.flush_run(&mut run, buf, done, offset)?;
+                run = Some((src, done, file_off));
+            }
+            done += n;
+        }
+        self.flush_run(&mut run, buf, done, offset)
+    }
+
+    fn flush_run(
+        &self,
+        run: &mut Option<(PageSrc, usize, u64)>,
+        buf: &mut [u8],
+        end: usize,
+        offset: u64,
+    ) -> Result<()> {
+        let Some((src, start, file_off)) = run.take() else {
+            return Ok(());
+        };
+        let dst = &mut buf[start..end];
+        match src {
+            PageSrc::Local(_) => self
+                .storage
+                .read_at(dst, file_off)
+                .map_err(io_err(&self.path, "reading data"))?,
+            PageSrc::Base => match &self.base {
+                Some(b) => b.read_at(dst, offset + start as u64)?,
+                None => dst.fill(0),
+            },
+            PageSrc::Zero => dst.fill(0),
+        }
+        Ok(())
+    }
+
+    // ----- writes -----
+
+    /// Writes into the active layer. Durable at the next [`Image::flush`].
+    pub fn write_at(&mut self, data: &[u8], offset: u64) -> Result<()> {
+        if !self.writable {
+            return Err(Error::ReadOnly {
+                path: self.path.clone(),
+            });
+        }
+        self.check_range(offset, data.len())?;
+        self.write_layer(self.header.active_layer, data, offset)
+    }
+
+    /// Writes into `layer`; pages not fully covered are first filled from
+    /// the view below it (the 4 KiB copy-on-write).
+    pub(crate) fn write_layer(&mut self, layer: u32, data: &[u8], offset: u64) -> Result<()> {
+        let cs = self.g.cluster_size();
+        let parent = self.layers[layer as usize].parent;
+        let mut done = 0usize;
+        while done < data.len() {
+            let off = offset + done as u64;
+            let vcn = off / cs;
+            let start = off % cs;
+            let len = ((cs - start) as usize).min(data.len() - done);
+            let chunk = &data[done..done + len];
+            let e = match self.layers[layer as usize].map.get(&vcn) {
+                Some(&e) => e,
+                None => {
+                    let mut bm = vec![0u64; self.g.words()];
+                    if !self.view_has_data(parent, vcn * cs, cs) {
+                        // Nothing below: the fresh (zero) cluster is the
+                        // whole truth.
+                        self.g.full_bitmap(&mut bm);
+                    }
+                    self.alloc_entry(layer, vcn, &bm)?
+                }
+            };
+            let base = self.g.offset(self.entries[e as usize].cluster);
+            let first = (start / PAGE_SIZE) as usize;
+            let last = ((start + len as u64 - 1) / PAGE_SIZE) as usize;
+            let mut lo = start; // first byte of the chunk still to write
+            let mut hi = start + len as u64; // end of the chunk still to write
+            let page_of = |p: usize| p as u64 * PAGE_SIZE;
+            let covers = |p: usize, lo: u64, hi: u64| lo <= page_of(p) && hi >= page_of(p + 1);
+            if !self.bit(e, first) && !covers(first, lo, hi) {
+                let p_end = page_of(first + 1).min(hi);
+                self.fill_page(
+                    parent,
+                    vcn,
+                    first,
+                    base,
+                    &chunk[..(p_end - start) as usize],
+                    start,
+                )?;
+                lo = p_end;
+            }
+            if lo < hi && last != first && !self.bit(e, last) && !covers(last, lo, hi) {
+                let p_start = page_of(last);
+                self.fill_page(
+                    parent,
+                    vcn,
+                    last,
+                    base,
+                    &chunk[(p_start - start) as usize..],
+                    p_start,
+                )?;
+                hi = p_start;
+            }
+            if lo < hi {
+                let part = &chunk[(lo - start) as usize..(hi - start) as usize];
+                self.storage
+                    .write_at(part, base + lo)
+                    .map_err(io_err(&self.path, "writing data"))?;
+            }
+            self.set_bits(e, first, last);
+            self.data_dirty = true;
+            done += len;
+        }
+        Ok(())
+    }
+
+    /// Writes page `page` of a cluster at file offset `base`: the view of
+    /// `below` with `part` laid over it at in-cluster offset `at`.
+    fn fill_page(
+        &mut self,
+        below: Option<u32>,
+        vcn: u64,
+        page: usize,
+        base: u64,
+        part: &[u8],
+        at: u64,
+    ) -> Result<()> {
+        let page_off = page as u64 * PAGE_SIZE;
+        let mut buf = vec![0u8; PAGE_SIZE as usize];
+        self.read_view(below, &mut buf, vcn * self.g.cluster_size() + page_off)?;
+        let o = (at - page_off) as usize;
+        buf[o..o + part.len()].copy_from_slice(part);
+        self.storage
+            .write_at(&buf, base + page_off)
+            .map_err(io_err(&self.path, "writing data"))
+    }
+
+    // ----- allocation -----
+
+    /// Makes sure clusters up to `end` exist in the file, growing it by the
+    /// pool size at a time.
+    pub(crate) fn ensure_space(&mut self, end: u64) -> Result<()> {
+        let need = self.g.offset(end);
+        if need <= self.file_len {
+            return Ok(());
+        }
+        let new_len = self.g.offset(end + self.pool_clusters);
+        self.storage
+            .allocate(self.file_len, new_len - self.file_len)
+            .map_err(io_err(&self.path, "allocating clusters"))?;
+        self.file_len = new_len;
+        Ok(())
+    }
+
+    fn check_cluster_limit(&self, extra: u64) -> Result<()> {
+        if self.next_cluster + extra >= (1u64 << (62 - self.g.cluster_bits())) {
+            return Err(Error::Limit {
+                path: self.path.clone(),
+                what: "file too large".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Appends a data cluster for `(layer, vcn)` with `bitmap`; a new
+    /// segment starts unless the last structure is a segment of `layer`
+    /// with room.
+    pub(crate) fn alloc_entry(&mut self, layer: u32, vcn: u64, bitmap: &[u64]) -> Result<u32> {
+        let cap = self.g.capacity();
+        let extend = self.segments.last().is_some_and(|s| {
+            s.layer == layer && s.used < cap && s.meta + 1 + u64::from(s.used) == self.next_cluster
+        });
+        let need = if extend { 1 } else { 2 };
+        self.check_cluster_limit(need)?;
+        self.ensure_space(self.next_cluster + need)?;
+        if !extend {
+            self.segments.push(Segment {
+                meta: self.next_cluster,
+                layer,
+                first: self.entries.len() as u32,
+                used: 0,
+                cur_slot: None,
+                dirty: true,
+            });
+            self.next_cluster += 1;
+        }
+        let seg_idx = self.segments.len() - 1;
+        let idx = self.entries.len() as u32;
+        self.entries.push(Entry {
+            vcn,
+            cluster: self.next_cluster,
+            seg: seg_idx as u32,
+        });
+        self.bitmaps.extend_from_slice(bitmap);
+        let seg = &mut self.segments[seg_idx];
+        seg.used += 1;
+        seg.dirty = true;
+        self.next_cluster += 1;
+        self.layers[layer as usize].map.insert(vcn, idx);
+        self.header.data_cluster_count = self.entries.len() as u64;
+        self.meta_dirty = true;
+        Ok(idx)
+    }
+
+    /// Appends a snapshot cluster starting a layer on `parent`.
+    pub(crate) fn append_layer(&mut self, parent: u32, snap: Option<SnapshotInfo>) -> Result<u32> {
+        let n = self.layers.len() as u32;
+        if n >= crate::format::MAX_LAYERS {
+            return Err(Error::Limit {
+                path: self.path.clone(),
+                what: format!(
+                    "at most {} layers per image (run compact)",
+                    crate::format::MAX_LAYERS
+                ),
+            });
+        }
+        self.check_cluster_limit(1)?;
+        self.ensure_space(self.next_cluster + 1)?;
+        self.layers.push(Layer {
+            start: self.next_cluster,
+            parent: Some(parent),
+            snap,
+            map: VcnMap::default(),
+            cur_slot: None,
+            dirty: true,
+        });
+        self.next_cluster += 1;
+        self.header.layer_count = n + 1;
+        self.meta_dirty = true;
+        Ok(n)
+    }
+
+    /// Grows the virtual size.
+    pub fn grow(&mut self, new_size: u64) -> Result<()> {
+        if !self.writable {
+            return Err(Error::ReadOnly {
+                path: self.path.clone(),
+            });
+        }
+        check_virtual_size(new_size, self.g)?;
+        if new_size < self.header.virtual_size {
+            return Err(Error::Invalid(format!(
+                "shrinking from {} to {new_size} bytes is not supported",
+                self.header.virtual_size
+            )));
+        }
+        self.header.virtual_size = new_size;
+        self.meta_dirty = true;
+        self.flush()
+    }
+
+    /// Content-bearing ranges of the image's view, in virtual order:
+    /// `(offset, length, source)` with adjacent equal sources merged.
+    pub fn extents(&self) -> Vec<Extent> {
+        let mut out: Vec<Extent> = Vec::new();
+        self.collect_extents(
+            Some(self.header.active_layer),
+            0,
+            self.header.virtual_size,
+            0,
+            &mut out,
+        );
+        out
+    }
+
+    pub(crate) fn collect_extents(
+        &self,
+        layer: Option<u32>,
+        start: u64,
+        end: u64,
+        depth: usize,
+        out: &mut Vec<Extent>,
+    ) {
+        let cs = self.g.cluster_size();
+        let mut off = start;
+        while off < end {
+            let vcn = off / cs;
+            let in_cluster = off % cs;
+            let page = (in_cluster / PAGE_SIZE) as usize;
+            let n = (PAGE_SIZE - in_cluster % PAGE_SIZE).min(end - off);
+            match self.page_src(layer, vcn, page) {
+                PageSrc::Local(c) => push_extent(
+                    out,
+                    Extent {
+                        offset: off,
+                        length: n,
+                        depth,
+                        file: self.path.clone(),
+                        file_offset: Some(self.g.offset(c) + in_cluster),
+                    },
+                ),
+                PageSrc::Zero => push_extent(
+                    out,
+                    Extent {
+                        offset: off,
+                        length: n,
+                        depth,
+                        file: self.path.clone(),
+                        file_offset: None,
+                    },
+                ),
+                PageSrc::Base => {
+                    if let Some(b) = &self.base {
+                        b.collect_extents(off, off + n, depth + 1, out);
+                    }
+                }
+            }
+            off += n;
+        }
+    }
+}
+
+/// A range of the view and where its bytes live.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Extent {
+    /// Virtual offset.
+    pub offset: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// 0: the top image, 1: its base, ...
+    pub depth: usize,
+    /// The file holding the bytes (for zeros: the deepest image consulted).
+    pub file: PathBuf,
+    /// Offset in `file`, or `None` for zeros.
+    pub file_offset: Option<u64>,
+}
+
+pub(crate) fn push_extent(out: &mut Vec<Extent>, e: Extent) {
+    if let Some(last) = out.last_mut() {
+        let contiguous = match (last.file_offset, e.file_offset) {
+            (Some(a), Some(b)) => a + last.length == b && last.file == e.file,
+            (None, None) => true,
+            _ => false,
+        };
+        if contiguous && last.depth == e.depth && last.offset + last.length == e.offset {
+            last.length += e.length;
+            return;
+        }
+    }
+    out.push(e);
+}
+
+pub(crate) fn check_virtual_size(size: u64, g: Geometry) -> Result<()> {
+    if size == 0 || size % g.cluster_size() != 0 || size > MAX_VIRTUAL_SIZE {
+        return Err(Error::Invalid(format!(
+            "virtual size {size} must be a non-zero multiple of the cluster size {} and at most 2^56",
+            g.cluster_size()
+        )));
+    }
+    Ok(())
+}
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        if let Err(e) = self.close_inner() {
+            log::error!("{}: closing failed: {e}", self.path.display());
+        }
+    }
+}

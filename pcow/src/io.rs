@@ -1,0 +1,90 @@
+//! The I/O layer under an image: a small trait so that crash tests can stand
+//! in for the file (record writes and syncs, drop what was not synced).
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+
+/// Positioned I/O on the bytes of one image file.
+pub trait Storage: Send {
+    /// Fills `buf` from `offset`; reading past the end is an error.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()>;
+    /// Writes all of `buf` at `offset`, extending the file if needed.
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Makes every completed write durable (fdatasync).
+    fn sync(&mut self) -> io::Result<()>;
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+    /// Truncates or extends (with zeros) to `len` bytes.
+    fn set_len(&mut self, len: u64) -> io::Result<()>;
+    /// Reserves `[offset, offset + len)` so that later writes there do not
+    /// fail for lack of space; the range reads as zeros.
+    fn allocate(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        let end = offset + len;
+        if end > self.len()? {
+            self.set_len(end)?;
+        }
+        Ok(())
+    }
+    /// The file, when the storage is one (for locking and mapping).
+    fn file(&self) -> Option<&File> {
+        None
+    }
+}
+
+/// A real file.
+#[derive(Debug)]
+pub struct FileStorage {
+    file: File,
+}
+
+impl FileStorage {
+    /// Wraps an open file.
+    pub fn new(file: File) -> Self {
+        FileStorage { file }
+    }
+}
+
+impl Storage for FileStorage {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+    fn set_len(&mut self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+    fn allocate(&mut self, offset: u64, len: u64) -> io::Result<()> {
+        let (Ok(off), Ok(l)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(io::Error::from_raw_os_error(libc::EFBIG));
+        };
+        // SAFETY: fallocate only reads its integer arguments; the fd is owned
+        // by `self.file` and stays open for the call.
+        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, off, l) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            // Filesystems without fallocate: extending is the best we can do.
+            Some(libc::EOPNOTSUPP) => {
+                if offset + len > self.len()? {
+                    self.set_len(offset + len)?;
+                }
+                Ok(())
+            }
+            _ => Err(e),
+        }
+    }
+    fn file(&self) -> Option<&File> {
+        Some(&self.file)
+    }
+}

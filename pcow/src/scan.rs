@@ -1,0 +1,504 @@
+//! Reading an image's metadata: choosing the header slot, then walking the
+//! structures from cluster 1 to the committed end and checking every rule
+//! that can be checked on the way (R5..R10).
+
+use std::collections::HashSet;
+
+use crate::error::{Error, Result};
+use crate::format::{
+    check_snap_fields, decode_slot, read_entry, DecodedSlot, FormatError, Geometry, Header,
+    SlotBody, SlotFault, MAGIC, MAX_CLUSTER_BITS, MAX_LAYERS, MIN_CLUSTER_BITS,
+};
+use crate::image::{Entry, Image, Layer, Segment, SnapshotInfo, VcnMap};
+use crate::io::Storage;
+
+/// Why the header could not be read.
+#[derive(Debug)]
+pub(crate) enum HeaderError {
+    Io(std::io::Error),
+    Format(FormatError),
+}
+
+fn read_slot(
+    storage: &dyn Storage,
+    at: u64,
+    len: usize,
+    file_len: u64,
+) -> std::result::Result<Option<Vec<u8>>, std::io::Error> {
+    if at + len as u64 > file_len {
+        return Ok(None);
+    }
+    let mut buf = vec![0u8; len];
+    storage.read_at(&mut buf, at)?;
+    Ok(Some(buf))
+}
+
+/// Reads both header slots and returns the current one (the valid slot with
+/// the higher generation) and its index.
+pub(crate) fn read_header(
+    storage: &dyn Storage,
+    file_len: u64,
+) -> std::result::Result<(Header, u8), HeaderError> {
+    let mut magic = [0u8; 8];
+    if file_len < 8 {
+        return Err(HeaderError::Format(FormatError::NotPcow));
+    }
+    storage.read_at(&mut magic, 0).map_err(HeaderError::Io)?;
+    if magic != MAGIC {
+        return Err(HeaderError::Format(FormatError::NotPcow));
+    }
+    // Slot A's cluster_bits tells where slot B is; if slot A is torn, try
+    // every geometry for B (its own cluster_bits must agree).
+    let mut bits = [0u8; 4];
+    if file_len >= 20 {
+        storage.read_at(&mut bits, 16).map_err(HeaderError::Io)?;
+    }
+    let a_bits = u32::from_le_bytes(bits);
+    let decode_at = |g: Geometry,
+                     at: u64|
+     -> std::result::Result<Option<(Header, Vec<u8>)>, HeaderError> {
+        let Some(buf) = read_slot(storage, at, g.slot_size(), file_len).map_err(HeaderError::Io)?
+        else {
+            return Ok(None);
+        };
+        match Header::decode(&buf, at) {
+            Ok(h) if h.geometry == g => Ok(Some((h, buf))),
+            Ok(_) => Ok(None),
+            Err(e) => Err(HeaderError::Format(e)),
+        }
+    };
+    let a = match Geometry::new(a_bits) {
+        Some(g) => decode_at(g, 0),
+        None => Err(HeaderError::Format(FormatError::ClusterBits {
+            value: a_bits,
+            offset: 16,
+        })),
+    };
+    let b = match &a {
+        Ok(Some((h, _))) => decode_at(h.geometry, h.geometry.slot_size() as u64),
+        _ => {
+            let mut found = Ok(None);
+            for bits in MIN_CLUSTER_BITS..=MAX_CLUSTER_BITS {
+                if let Some(g) = Geometry::new(bits) {
+                    match decode_at(g, g.slot_size() as u64) {
+                        Ok(Some(x)) => {
+                            found = Ok(Some(x));
+                            break;
+                        }
+                        Err(HeaderError::Io(e)) => return Err(HeaderError::Io(e)),
+                        _ => {}
+                    }
+                }
+            }
+            found
+        }
+    };
+    // A slot whose CRC is right is a real header even when a rule fails
+    // (unknown feature, future version): its error must not be hidden by
+    // falling back to the older slot.
+    match (a, b) {
+        (Ok(Some((ha, _))), Ok(Some((hb, _)))) => {
+            if hb.generation > ha.generation {
+                Ok((hb, 1))
+            } else {
+                Ok((ha, 0))
+            }
+        }
+        (
+            Ok(Some((ha, _))),
+            Ok(None)
+            | Err(HeaderError::Format(FormatError::Crc { .. } | FormatError::HeaderMagic { .. })),
+        ) => Ok((ha, 0)),
+        (
+            Ok(None)
+            | Err(HeaderError::Format(
+                FormatError::Crc { .. }
+                | FormatError::HeaderMagic { .. }
+                | FormatError::ClusterBits { .. },
+            )),
+            Ok(Some((hb, _))),
+        ) => Ok((hb, 1)),
+        (Err(HeaderError::Io(e)), _) | (_, Err(HeaderError::Io(e))) => Err(HeaderError::Io(e)),
+        (Err(HeaderError::Format(e)), _)
+            if !matches!(e, FormatError::Crc { .. } | FormatError::HeaderMagic { .. }) =>
+        {
+            Err(HeaderError::Format(e))
+        }
+        (_, Err(HeaderError::Format(e)))
+            if !matches!(e, FormatError::Crc { .. } | FormatError::HeaderMagic { .. }) =>
+        {
+            Err(HeaderError::Format(e))
+        }
+        (a, b) => Err(HeaderError::Format(FormatError::NoValidHeader {
+            a: describe(&a),
+            b: describe(&b),
+        })),
+    }
+}
+
+fn describe(r: &std::result::Result<Option<(Header, Vec<u8>)>, HeaderError>) -> String {
+    match r {
+        Ok(Some(_)) => "valid".into(),
+        Ok(None) => "absent".into(),
+        Err(HeaderError::Format(e)) => e.to_string(),
+        Err(HeaderError::Io(e)) => e.to_string(),
+    }
+}
+
+/// The current slot of a metadata cluster and what to remember about the other.
+struct Chosen {
+    slot: u8,
+    decoded: DecodedSlot,
+}
+
+impl Image {
+    /// Walks the structures and builds layers, segments and entries. With
+    /// `lenient`, violations that do not stop the walk go to `findings`.
+    pub(crate) fn scan(&mut self, lenient: bool) -> Result<()> {
+        let path = self.path.clone();
+        let fail = |source: FormatError| Error::Format {
+            path: path.clone(),
+            source,
+        };
+        let g = self.g;
+        let h = &self.header;
+        let file_clusters = self.file_len >> g.cluster_bits();
+        if h.cluster_count == 0 || h.cluster_count > file_clusters {
+            return Err(fail(FormatError::ClusterCount {
+                value: h.cluster_count,
+                file_clusters,
+                offset: self.header_offset() + 64,
+            }));
+        }
+        let cc = h.cluster_count;
+        let gen = h.generation;
+        let vclusters = h.virtual_size >> g.cluster_bits();
+        let next_id = h.next_snapshot_id;
+        let mut findings = Vec::new();
+        let mut report = |e: FormatError| -> Result<()> {
+            if lenient {
+                findings.push(e);
+                Ok(())
+            } else {
+                Err(fail(e))
+            }
+        };
+        self.layers = vec![Layer {
+            start: 0,
+            parent: None,
+            snap: None,
+            map: VcnMap::default(),
+            cur_slot: None,
+            dirty: false,
+        }];
+        self.segments.clear();
+        self.entries.clear();
+        self.bitmaps.clear();
+        self.stale.clear();
+        let words = g.words();
+        let slot_len = g.slot_size();
+        let mut ids = HashSet::new();
+        let mut tags = HashSet::new();
+        let mut buf = vec![0u8; g.cluster_size() as usize];
+        let mut bm = vec![0u64; words];
+        let mut pos = 1u64;
+        while pos < cc {
+            let at = g.offset(pos);
+            self.storage
+                .read_at(&mut buf, at)
+                .map_err(crate::image::io_err(&self.path, "reading metadata"))?;
+            let chosen = self.choose_slot(&buf, pos, at, gen).map_err(fail)?;
+            let slot_at = at + u64::from(chosen.slot) * slot_len as u64;
+            let slot = &buf[chosen.slot as usize * slot_len..(chosen.slot as usize + 1) * slot_len];
+            match chosen.decoded.body {
+                SlotBody::Meta { layer, used } => {
+                    let layers = self.layers.len() as u32;
+                    if layer >= layers {
+                        return Err(fail(FormatError::MetaLayer {
+                            layer,
+                            layers,
+                            offset: slot_at + 24,
+                        }));
+                    }
+                    if used == 0 || used > g.capacity() {
+                        return Err(fail(FormatError::MetaUsed {
+                            used,
+                            capacity: g.capacity(),
+                            offset: slot_at + 28,
+                        }));
+                    }
+                    let end = pos + 1 + u64::from(used);
+                    if end > cc {
+                        return Err(fail(FormatError::StructurePastEnd {
+                            cluster: pos,
+                            end,
+                            cluster_count: cc,
+                        }));
+                    }
+                    let seg_idx = self.segments.len() as u32;
+                    let first = self.entries.len() as u32;
+                    for i in 0..used as usize {
+                        let entry_at =
+                            slot_at + (crate::format::META_FIXED + i * g.entry_size()) as u64;
+                        let vcn = read_entry(slot, g, i, &mut bm);
+                        let cluster = pos + 1 + i as u64;
+                        if vcn >= vclusters {
+                            report(FormatError::VcnOutOfRange {
+                                vcn,
+                                limit: vclusters,
+                                offset: entry_at,
+                            })?;
+                        } else if bm.iter().all(|w| *w == 0) {
+                            report(FormatError::EmptyBitmap {
+                                offset: entry_at + 8,
+                            })?;
+                        } else if !bitmap_fits(&bm, g) {
+                            report(FormatError::BitmapBeyondCluster {
+                                pages: g.pages() as u64,
+                                offset: entry_at + 8,
+                            })?;
+                        } else if self.layers[layer as usize].map.contains_key(&vcn) {
+                            report(FormatError::DuplicateVcn {
+                                vcn,
+                                layer,
+                                offset: entry_at,
+                            })?;
+                        } else {
+                            let idx = self.entries.len() as u32;
+                            self.layers[layer as usize].map.insert(vcn, idx);
+                            self.entries.push(Entry {
+                                vcn,
+                                cluster,
+                                seg: seg_idx,
+                            });
+                            self.bitmaps.extend_from_slice(&bm);
+                            continue;
+                        }
+                        // A rejected entry keeps its place so positions stay
+                        // implied by index; it maps nothing.
+                        self.entries.push(Entry {
+                            vcn: u64::MAX,
+                            cluster,
+                            seg: seg_idx,
+                        });
+                        self.bitmaps.extend(std::iter::repeat_n(0, words));
+                    }
+                    self.segments.push(Segment {
+                        meta: pos,
+                        layer,
+                        first,
+                        used,
+                        cur_slot: Some(chosen.slot),
+                        dirty: false,
+                    });
+                    pos = end;
+                }
+                SlotBody::Snap(s) => {
+                    if let Err(e) = check_snap_fields(slot, slot_at) {
+                        report(e)?;
+                    }
+                    let expected = self.layers.len() as u32;
+                    if expected >= MAX_LAYERS {
+                        return Err(fail(FormatError::SnapshotLayer {
+                            value: s.layer,
+                            expected,
+                            offset: slot_at + 24,
+                        }));
+                    }
+                    if s.layer != expected {
+                        report(FormatError::SnapshotLayer {
+                            value: s.layer,
+                            expected,
+                            offset: slot_at + 24,
+                        })?;
+                    }
+                    if s.parent_layer >= expected {
+                        // Without a parent the layer tree cannot be built.
+                        return Err(fail(FormatError::ParentLayer {
+                            value: s.parent_layer,
+                            layer: expected,
+                            offset: slot_at + 28,
+                        }));
+                    }
+                    let mut snap = None;
+                    if s.snapshot_id != 0 {
+                        if s.snapshot_id >= next_id || !ids.insert(s.snapshot_id) {
+                            report(FormatError::SnapshotId {
+                                value: s.snapshot_id,
+                                next: next_id,
+                                offset: slot_at + 32,
+                            })?;
+                        } else if !tags.insert(s.tag.clone()) {
+                            report(FormatError::SnapshotTag {
+                                why: "duplicate tag",
+                                offset: slot_at + crate::format::SNAP_TAG_OFFSET as u64,
+                            })?;
+                        } else {
+                            snap = Some(SnapshotInfo {
+                                id: s.snapshot_id,
+                                tag: s.tag.clone(),
+                                time_sec: s.time_sec,
+                                time_nsec: s.time_nsec,
+                                layer: s.parent_layer,
+                            });
+                        }
+                    }
+                    self.layers.push(Layer {
+                        start: pos,
+                        parent: Some(s.parent_layer),
+                        snap,
+                        map: VcnMap::default(),
+                        cur_slot: Some(chosen.slot),
+                        dirty: false,
+                    });
+                    pos += 1;
+                }
+            }
+        }
+        self.next_cluster = cc;
+        // R10: counters against what the walk found.
+        let hdr = self.header_offset();
+        let found_layers = self.layers.len() as u64;
+        let found_snaps = self.layers.iter().filter(|l| l.snap.is_some()).count() as u64;
+        let found_data = self.entries.len() as u64;
+        let counters = [
+            (
+                "layer_count",
+                u64::from(self.header.layer_count),
+                found_layers,
+                hdr + 84,
+            ),
+            (
+                "snapshot_count",
+                u64::from(self.header.snapshot_count),
+                found_snaps,
+                hdr + 88,
+            ),
+            (
+                "data_cluster_count",
+                self.header.data_cluster_count,
+                found_data,
+                hdr + 72,
+            ),
+        ];
+        for (name, stored, found, offset) in counters {
+            if stored != found {
+                report(FormatError::Counter {
+                    name,
+                    stored,
+                    found,
+                    offset,
+                })?;
+            }
+        }
+        if self.header.active_layer as usize >= self.layers.len() {
+            return Err(fail(FormatError::ActiveLayer {
+                value: self.header.active_layer,
+                layer_count: self.layers.len() as u32,
+                offset: hdr + 80,
+            }));
+        }
+        if let Some(max) = self
+            .layers
+            .iter()
+            .filter_map(|l| l.snap.as_ref())
+            .map(|s| s.id)
+            .max()
+        {
+            if max >= self.header.next_snapshot_id {
+                report(FormatError::Counter {
+                    name: "next_snapshot_id",
+                    stored: u64::from(self.header.next_snapshot_id),
+                    found: u64::from(max) + 1,
+                    offset: hdr + 92,
+                })?;
+            }
+        }
+        self.findings = findings;
+        Ok(())
+    }
+
+    /// File offset of the committed header slot.
+    pub(crate) fn header_offset(&self) -> u64 {
+        u64::from(self.header_slot) * self.g.slot_size() as u64
+    }
+
+    /// Picks the current slot of the metadata cluster at `pos`; records
+    /// stale and torn partners for repair.
+    fn choose_slot(
+        &mut self,
+        buf: &[u8],
+        pos: u64,
+        at: u64,
+        gen: u64,
+    ) -> std::result::Result<Chosen, FormatError> {
+        let s = self.g.slot_size();
+        let mut valid: Vec<Chosen> = Vec::new();
+        let mut faults: Vec<String> = Vec::new();
+        let mut junk = Vec::new();
+        for slot in 0..2u8 {
+            let slot_at = at + u64::from(slot) * s as u64;
+            match decode_slot(
+                &buf[slot as usize * s..(slot as usize + 1) * s],
+                pos,
+                slot_at,
+            ) {
+                Ok(d) if d.generation <= gen => valid.push(Chosen { slot, decoded: d }),
+                Ok(d) => {
+                    faults.push(format!(
+                        "slot {} is stale (generation {} > {gen})",
+                        slot_name(slot),
+                        d.generation
+                    ));
+                    junk.push(slot_at);
+                }
+                Err(SlotFault::NoMagic) => {
+                    faults.push(format!("slot {}: no magic", slot_name(slot)))
+                }
+                Err(f) => {
+                    faults.push(format!("slot {}: {f}", slot_name(slot)));
+                    junk.push(slot_at);
+                }
+            }
+        }
+        if valid.len() == 2 && valid[0].decoded.generation == valid[1].decoded.generation {
+            return Err(FormatError::SameGeneration {
+                cluster: pos,
+                offset: at,
+                generation: valid[0].decoded.generation,
+            });
+        }
+        let Some(best) = valid.into_iter().max_by_key(|c| c.decoded.generation) else {
+            if junk.is_empty() {
+                return Err(FormatError::UnknownStructure {
+                    cluster: pos,
+                    offset: at,
+                });
+            }
+            return Err(FormatError::NoValidSlot {
+                kind: "metadata",
+                cluster: pos,
+                offset: at,
+                why: faults.join("; "),
+            });
+        };
+        self.stale.extend(junk);
+        Ok(best)
+    }
+}
+
+fn slot_name(slot: u8) -> char {
+    if slot == 0 {
+        'A'
+    } else {
+        'B'
+    }
+}
+
+fn bitmap_fits(bm: &[u64], g: Geometry) -> bool {
+    let pages = g.pages();
+    bm.iter().enumerate().all(|(i, w)| {
+        let bits = pages.saturating_sub(i * 64).min(64);
+        bits == 64 || w >> bits == 0
+    })
+}
