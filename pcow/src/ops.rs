@@ -1,3 +1,0 @@
-//! Whole-image operations.
-#![allow(missing_docs)]
-pub fn _x() {}

@@ -1,0 +1,2 @@
+//! Whole-image operations built on [`crate::Image`]: commit, rebase,
+//! compact, resize, convert and measure.
