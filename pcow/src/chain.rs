@@ -199,6 +199,22 @@ impl Backing {
         }
     }
 
+    /// Writes at a virtual offset (commit into a base opened writable).
+    pub fn write_at(&mut self, data: &[u8], offset: u64) -> Result<()> {
+        match self {
+            Backing::Pcow(i) => i.write_at(data, offset),
+            Backing::Raw(r) => r.write_at(data, offset),
+        }
+    }
+
+    /// Makes writes durable (a barrier for pcow, fsync for raw).
+    pub fn flush(&mut self) -> Result<()> {
+        match self {
+            Backing::Pcow(i) => i.flush(),
+            Backing::Raw(r) => r.flush(),
+        }
+    }
+
     /// Whether any byte of `[off, off + len)` can be non-zero.
     pub fn has_data(&self, off: u64, len: u64) -> bool {
         match self {

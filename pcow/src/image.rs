@@ -855,6 +855,41 @@ impl Image {
         Ok(n)
     }
 
+    /// Drops every layer, snapshot and data cluster: the image becomes
+    /// empty over its base. Committed at once; the old clusters become
+    /// uncommitted space, truncated at close.
+    pub(crate) fn reset_empty(&mut self) -> Result<()> {
+        self.layers.truncate(1);
+        let root = &mut self.layers[0];
+        root.map.clear();
+        root.snap = None;
+        self.segments.clear();
+        self.entries.clear();
+        self.bitmaps.clear();
+        self.next_cluster = 1;
+        self.header.active_layer = 0;
+        self.meta_dirty = true;
+        self.flush()
+    }
+
+    /// Places a whole cluster's bytes for `(layer, vcn)` with exactly
+    /// `bitmap` (compact copies layers this way, bit for bit).
+    pub(crate) fn put_cluster(
+        &mut self,
+        layer: u32,
+        vcn: u64,
+        bitmap: &[u64],
+        data: &[u8],
+    ) -> Result<()> {
+        let e = self.alloc_entry(layer, vcn, bitmap)?;
+        let off = self.g.offset(self.entries[e as usize].cluster);
+        self.storage
+            .write_at(data, off)
+            .map_err(io_err(&self.path, "writing data"))?;
+        self.data_dirty = true;
+        Ok(())
+    }
+
     /// Grows the virtual size.
     pub fn grow(&mut self, new_size: u64) -> Result<()> {
         if !self.writable {

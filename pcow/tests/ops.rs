@@ -1,0 +1,210 @@
+//! Whole-image operations on real files: overlay + commit, safe and unsafe
+//! rebase, compact with snapshots and dead layers, resize.
+
+use std::path::Path;
+
+use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
+
+const MIB: u64 = 1 << 20;
+
+fn create(path: &Path, size: u64, cluster: u64, base: Option<&str>) -> Image {
+    let opts = CreateOptions {
+        cluster_size: Some(cluster),
+        virtual_size: Some(size),
+        base: base.map(|b| BaseRef {
+            name: b.into(),
+            format: BaseFormat::Probe,
+        }),
+    };
+    Image::create(path, &opts).unwrap()
+}
+
+fn read_all(path: &Path) -> Vec<u8> {
+    let img = Image::open(path, OpenOptions::read_only()).unwrap();
+    let mut buf = vec![0u8; img.virtual_size() as usize];
+    img.read_at(&mut buf, 0).unwrap();
+    buf
+}
+
+fn clean(path: &Path) {
+    let r = pcow::check::check(path, None, false).unwrap();
+    assert!(r.is_clean(), "{r:?}");
+}
+
+#[test]
+fn commit_copies_overlay_data_into_base_and_empties_overlay() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, top) = (d.path().join("base.pcow"), d.path().join("top.pcow"));
+    let mut b = create(&base, 4 * MIB, 64 << 10, None);
+    b.write_at(&[1u8; 100_000], 10_000).unwrap();
+    b.close().unwrap();
+    let mut t = create(&top, 4 * MIB, 4096, Some("base.pcow"));
+    t.write_at(&[2u8; 5000], 50_000).unwrap();
+    t.write_at(&[3u8; 10], 3 * MIB).unwrap();
+    t.close().unwrap();
+    let expected = read_all(&top);
+    let r = pcow::ops::commit(&top, false).unwrap();
+    assert!(r.emptied);
+    assert_eq!(read_all(&base), expected);
+    assert_eq!(read_all(&top), expected);
+    assert_eq!(
+        Image::open(&top, OpenOptions::read_only())
+            .unwrap()
+            .allocated_clusters(),
+        0
+    );
+    clean(&base);
+    clean(&top);
+}
+
+#[test]
+fn commit_into_raw_base_and_keep_overlay() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, top) = (d.path().join("base.raw"), d.path().join("top.pcow"));
+    std::fs::write(&base, vec![7u8; MIB as usize]).unwrap();
+    let mut t = create(&top, 2 * MIB, 64 << 10, Some("base.raw"));
+    t.write_at(&[9u8; 4096], MIB - 2048).unwrap();
+    t.close().unwrap();
+    let expected = read_all(&top);
+    let r = pcow::ops::commit(&top, true).unwrap();
+    assert!(!r.emptied);
+    assert_eq!(std::fs::read(&base).unwrap(), expected);
+    assert_eq!(read_all(&top), expected);
+}
+
+#[test]
+fn safe_rebase_keeps_every_view_and_flatten_drops_the_base() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, b, top) = (
+        d.path().join("a.pcow"),
+        d.path().join("b.pcow"),
+        d.path().join("top.pcow"),
+    );
+    let mut ia = create(&a, 2 * MIB, 4096, None);
+    ia.write_at(&[0xaa; 300_000], 0).unwrap();
+    ia.close().unwrap();
+    let mut ib = create(&b, 2 * MIB, 4096, None);
+    ib.write_at(&[0xbb; 100_000], 200_000).unwrap();
+    ib.close().unwrap();
+    let mut t = create(&top, 2 * MIB, 16384, Some("a.pcow"));
+    t.write_at(&[1; 5000], 1000).unwrap();
+    t.snapshot_create("s1").unwrap();
+    t.write_at(&[2; 5000], 290_000).unwrap();
+    t.close().unwrap();
+    let active = read_all(&top);
+    let snap_view = {
+        let mut t = Image::open(&top, OpenOptions::read_write()).unwrap();
+        t.snapshot_create("now").unwrap();
+        t.snapshot_apply("s1").unwrap();
+        let mut buf = vec![0u8; 2 * MIB as usize];
+        t.read_at(&mut buf, 0).unwrap();
+        t.snapshot_apply("now").unwrap();
+        buf
+    };
+    pcow::ops::rebase(
+        &top,
+        Some(BaseRef {
+            name: "b.pcow".into(),
+            format: BaseFormat::Pcow,
+        }),
+        false,
+    )
+    .unwrap();
+    assert_eq!(read_all(&top), active);
+    let mut t = Image::open(&top, OpenOptions::read_write()).unwrap();
+    assert_eq!(t.base_ref().unwrap().name, "b.pcow");
+    t.snapshot_apply("s1").unwrap();
+    let mut buf = vec![0u8; 2 * MIB as usize];
+    t.read_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, snap_view);
+    t.snapshot_apply("now").unwrap();
+    t.close().unwrap();
+    pcow::ops::rebase(&top, None, false).unwrap();
+    assert_eq!(read_all(&top), active);
+    assert!(Image::open(&top, OpenOptions::read_only())
+        .unwrap()
+        .base_ref()
+        .is_none());
+    clean(&top);
+}
+
+#[test]
+fn unsafe_rebase_only_renames() {
+    let d = tempfile::tempdir().unwrap();
+    let (a, top) = (d.path().join("a.raw"), d.path().join("top.pcow"));
+    std::fs::write(&a, vec![5u8; MIB as usize]).unwrap();
+    create(&top, MIB, 65536, Some("a.raw")).close().unwrap();
+    std::fs::rename(&a, d.path().join("moved.raw")).unwrap();
+    assert!(matches!(
+        Image::open(&top, OpenOptions::read_only()),
+        Err(pcow::Error::BaseMissing { .. })
+    ));
+    pcow::ops::rebase(
+        &top,
+        Some(BaseRef {
+            name: "moved.raw".into(),
+            format: BaseFormat::Raw,
+        }),
+        true,
+    )
+    .unwrap();
+    assert_eq!(read_all(&top), vec![5u8; MIB as usize]);
+}
+
+#[test]
+fn compact_keeps_views_and_drops_dead_layers() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("c.pcow");
+    let mut img = create(&p, 2 * MIB, 4096, None);
+    img.write_at(&[1; 200_000], 0).unwrap();
+    img.snapshot_create("one").unwrap();
+    img.write_at(&[2; 100_000], 50_000).unwrap();
+    img.snapshot_create("two").unwrap();
+    img.write_at(&[3; 100_000], 150_000).unwrap();
+    // Rollback makes the data written since "two" dead.
+    img.snapshot_apply("one").unwrap();
+    img.write_at(&[4; 10_000], 1_000_000).unwrap();
+    img.snapshot_delete("one").unwrap();
+    let mut views = Vec::new();
+    let mut buf = vec![0u8; 2 * MIB as usize];
+    img.read_at(&mut buf, 0).unwrap();
+    views.push(buf.clone());
+    img.snapshot_create("tmp").unwrap();
+    img.snapshot_apply("two").unwrap();
+    img.read_at(&mut buf, 0).unwrap();
+    views.push(buf.clone());
+    img.snapshot_apply("tmp").unwrap();
+    img.snapshot_delete("tmp").unwrap();
+    img.close().unwrap();
+    let before = std::fs::metadata(&p).unwrap().len();
+    let r = pcow::ops::compact(&p).unwrap();
+    assert!(r.new_size < before, "{r:?}");
+    assert_eq!(read_all(&p), views[0]);
+    clean(&p);
+    let mut img = Image::open(&p, OpenOptions::read_write()).unwrap();
+    let tags: Vec<_> = img.snapshots().into_iter().map(|s| s.tag).collect();
+    assert_eq!(tags, ["two"]);
+    img.snapshot_apply("two").unwrap();
+    img.read_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, views[1]);
+    img.close().unwrap();
+    // Compacting again is stable.
+    let r2 = pcow::ops::compact(&p).unwrap();
+    assert!(r2.new_size <= r.new_size + 8192, "{r2:?}");
+    clean(&p);
+}
+
+#[test]
+fn resize_grows_and_refuses_to_shrink() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("r.pcow");
+    let mut img = create(&p, MIB, 65536, None);
+    img.write_at(b"end", MIB - 3).unwrap();
+    img.close().unwrap();
+    pcow::ops::resize(&p, 3 * MIB).unwrap();
+    let all = read_all(&p);
+    assert_eq!(all.len() as u64, 3 * MIB);
+    assert_eq!(&all[MIB as usize - 3..MIB as usize], b"end");
+    assert!(pcow::ops::resize(&p, MIB).is_err());
+    assert!(pcow::ops::resize(&p, 3 * MIB + 1).is_err());
+}
