@@ -855,6 +855,67 @@ impl Image {
         Ok(n)
     }
 
+    /// The active layer's data cluster for `vcn`, allocated from the pool if
+    /// it has none yet: for a device that writes guest data through a
+    /// mapping of the file rather than through [`Image::write_at`].
+    pub fn active_cluster(&mut self, vcn: u64) -> Result<ActiveCluster> {
+        if !self.writable {
+            return Err(Error::ReadOnly { path: self.path.clone() });
+        }
+        let cs = self.g.cluster_size();
+        if vcn >= self.header.virtual_size / cs {
+            return Err(Error::OutOfRange {
+                path: self.path.clone(),
+                offset: vcn.saturating_mul(cs),
+                len: cs,
+                size: self.header.virtual_size,
+            });
+        }
+        let layer = self.header.active_layer;
+        let (e, fresh) = match self.layers[layer as usize].map.get(&vcn) {
+            Some(&e) => (e, false),
+            None => {
+                let mut bm = vec![0u64; self.g.words()];
+                if !self.view_has_data(self.layers[layer as usize].parent, vcn * cs, cs) {
+                    self.g.full_bitmap(&mut bm);
+                }
+                (self.alloc_entry(layer, vcn, &bm)?, true)
+            }
+        };
+        let pages = self.g.pages();
+        Ok(ActiveCluster {
+            file_offset: self.g.offset(self.entries[e as usize].cluster),
+            fresh,
+            whole: (0..pages).all(|p| self.bit(e, p)),
+        })
+    }
+
+    /// Records that pages `[first, first + count)` of the active layer's
+    /// cluster `vcn` now hold this layer's data (the 4 KiB copy-on-write).
+    /// The data must already be in the cluster; both become durable at the
+    /// next barrier, data first.
+    pub fn record_pages(&mut self, vcn: u64, first: usize, count: usize) -> Result<()> {
+        let layer = self.header.active_layer as usize;
+        let e = *self.layers[layer].map.get(&vcn).ok_or_else(|| {
+            Error::Invalid(format!("vcn {vcn} has no cluster in the active layer"))
+        })?;
+        if count == 0 || first.checked_add(count).is_none_or(|end| end > self.g.pages()) {
+            return Err(Error::Invalid(format!(
+                "pages {first}+{count} outside a cluster of {} pages",
+                self.g.pages()
+            )));
+        }
+        self.set_bits(e, first, first + count - 1);
+        self.data_dirty = true;
+        Ok(())
+    }
+
+    /// Tells the next barrier that data reached the file through a mapping,
+    /// so it must sync before committing metadata.
+    pub fn mark_data_written(&mut self) {
+        self.data_dirty = true;
+    }
+
     /// Drops every layer, snapshot and data cluster: the image becomes
     /// empty over its base. Committed at once; the old clusters become
     /// uncommitted space, truncated at close.
@@ -968,6 +1029,18 @@ impl Image {
             off += n;
         }
     }
+}
+
+/// The active layer's cluster for a virtual cluster, as a device sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActiveCluster {
+    /// Byte offset of the cluster in the image file.
+    pub file_offset: u64,
+    /// The cluster was allocated by this call.
+    pub fresh: bool,
+    /// Every page belongs to the active layer (nothing below had data, or
+    /// every page was recorded): it can be mapped shared as a whole.
+    pub whole: bool,
 }
 
 /// A range of the view and where its bytes live.

@@ -208,3 +208,36 @@ fn resize_grows_and_refuses_to_shrink() {
     assert!(pcow::ops::resize(&p, MIB).is_err());
     assert!(pcow::ops::resize(&p, 3 * MIB + 1).is_err());
 }
+
+#[test]
+fn device_api_allocates_records_pages_and_survives_reopen() {
+    use std::os::unix::fs::FileExt;
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("dev.pcow");
+    let mut img = create(&p, MIB, 65536, None);
+    img.set_pool_clusters(8);
+    img.write_at(&[1u8; 65536], 0).unwrap();
+    img.snapshot_create("s").unwrap();
+    // A hole: the fresh cluster is the whole truth.
+    let hole = img.active_cluster(5).unwrap();
+    assert!(hole.fresh && hole.whole);
+    assert_eq!(img.active_cluster(5).unwrap(), pcow::ActiveCluster { fresh: false, ..hole });
+    img.file().unwrap().write_all_at(&[9u8; 10], hole.file_offset + 100).unwrap();
+    // Over snapshot data: only recorded pages belong to the new layer.
+    let cow = img.active_cluster(0).unwrap();
+    assert!(cow.fresh && !cow.whole);
+    img.file().unwrap().write_all_at(&[2u8; 4096], cow.file_offset + 4096).unwrap();
+    img.record_pages(0, 1, 1).unwrap();
+    img.mark_data_written();
+    assert!(img.record_pages(0, 16, 1).is_err());
+    assert!(img.record_pages(3, 0, 1).is_err());
+    assert!(img.active_cluster(16).is_err());
+    img.flush().unwrap();
+    drop(img);
+    let all = read_all(&p);
+    assert_eq!(&all[..4096], &[1u8; 4096][..]);
+    assert_eq!(&all[4096..8192], &[2u8; 4096][..]);
+    assert_eq!(&all[8192..65536], &[1u8; 65536 - 8192][..]);
+    assert_eq!(&all[5 * 65536 + 100..5 * 65536 + 110], &[9u8; 10][..]);
+    clean(&p);
+}
