@@ -196,6 +196,14 @@ impl Image {
         self.bitmaps.clear();
         self.stale.clear();
         let words = g.words();
+        // The counter is untrusted, but entries can never outnumber the
+        // committed clusters, which were checked against the file length.
+        let expect = self.header.data_cluster_count.min(cc) as usize;
+        self.entries.reserve(expect);
+        self.bitmaps.reserve(expect * words);
+        if self.header.layer_count <= 1 {
+            self.layers[0].map.reserve(expect);
+        }
         let slot_len = g.slot_size();
         let mut ids = HashSet::new();
         let mut tags = HashSet::new();
