@@ -226,60 +226,44 @@ impl Backing {
         }
     }
 
-    pub(crate) fn collect_extents(
-        &self,
-        start: u64,
-        end: u64,
-        depth: usize,
-        out: &mut Vec<Extent>,
-    ) {
-        match self {
-            Backing::Pcow(i) => {
-                let vs = i.virtual_size();
-                if start < vs {
-                    i.collect_extents(Some(i.active_layer()), start, end.min(vs), depth, out);
-                }
-                if end > vs {
-                    crate::image::push_extent(
-                        out,
-                        Extent {
-                            offset: start.max(vs),
-                            length: end - start.max(vs),
-                            depth,
-                            file: i.path().to_owned(),
-                            file_offset: None,
-                        },
-                    );
-                }
+    /// Extents of the base's content over sorted, disjoint `ranges`.
+    pub(crate) fn view_extents(&self, ranges: &[(u64, u64)], depth: usize) -> Vec<Extent> {
+        let (size, path) = (self.size(), self.path().to_owned());
+        let mut inside = Vec::new();
+        let mut outside = Vec::new();
+        for &(s, e) in ranges {
+            if s < size {
+                inside.push((s, e.min(size)));
             }
-            Backing::Raw(r) => {
-                let data_end = end.min(r.len).max(start);
-                if data_end > start {
-                    crate::image::push_extent(
-                        out,
-                        Extent {
-                            offset: start,
-                            length: data_end - start,
-                            depth,
-                            file: r.path.clone(),
-                            file_offset: Some(start),
-                        },
-                    );
-                }
-                if end > data_end {
-                    crate::image::push_extent(
-                        out,
-                        Extent {
-                            offset: data_end,
-                            length: end - data_end,
-                            depth,
-                            file: r.path.clone(),
-                            file_offset: None,
-                        },
-                    );
-                }
+            if e > size {
+                outside.push((s.max(size), e));
             }
         }
+        let zeros = |list: &[(u64, u64)]| -> Vec<Extent> {
+            list.iter()
+                .map(|&(s, e)| Extent {
+                    offset: s,
+                    length: e - s,
+                    depth,
+                    file: path.clone(),
+                    file_offset: None,
+                })
+                .collect()
+        };
+        let data = match self {
+            Backing::Pcow(i) => i.view_extents(Some(i.active_layer()), &inside, depth),
+            Backing::Raw(_) => inside
+                .iter()
+                .map(|&(s, e)| Extent {
+                    offset: s,
+                    length: e - s,
+                    depth,
+                    file: path.clone(),
+                    file_offset: Some(s),
+                })
+                .collect(),
+        };
+        crate::image::merge_extents(data, zeros(&outside))
     }
 
     /// Number of images in this chain (1 for a raw base).

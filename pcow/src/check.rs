@@ -37,6 +37,8 @@ pub struct CheckReport {
     pub leaks: Vec<Finding>,
     /// Data clusters in the file (all layers).
     pub allocated_clusters: u64,
+    /// Clusters past the committed end (L1).
+    pub leaked_clusters: u64,
     /// Data clusters no view reaches (reclaimed by `compact`).
     pub unreachable_clusters: u64,
     /// Virtual size in clusters.
@@ -84,6 +86,7 @@ pub fn report(img: &Image) -> CheckReport {
     for f in img.findings() {
         r.corruptions.push(finding(f.rule(), f.to_string()));
     }
+    r.leaked_clusters = img.uncommitted_at_open;
     if img.uncommitted_at_open > 0 {
         r.leaks.push(finding(
             "L1",
@@ -100,7 +103,10 @@ pub fn report(img: &Image) -> CheckReport {
         ));
     }
     if img.dirty_at_open {
-        r.leaks.push(finding("L3", "DIRTY flag set: the image was not closed cleanly".into()));
+        r.leaks.push(finding(
+            "L3",
+            "DIRTY flag set: the image was not closed cleanly".into(),
+        ));
     }
     r.unreachable_clusters = unreachable_clusters(img);
     r
@@ -155,7 +161,13 @@ pub fn check(path: &Path, repair: Option<Repair>, force_share: bool) -> Result<C
             force_share,
             ..OpenOptions::default()
         };
-        match Image::open(path, OpenOptions { skip_base: false, ..chain }) {
+        match Image::open(
+            path,
+            OpenOptions {
+                skip_base: false,
+                ..chain
+            },
+        ) {
             Ok(_) => {}
             Err(e @ (Error::Io { .. } | Error::Locked { .. })) => return Err(e),
             // Our own image's fatal errors were handled above, so a format
@@ -169,7 +181,10 @@ pub fn check(path: &Path, repair: Option<Repair>, force_share: bool) -> Result<C
     };
     let only_counters = r.corruptions.iter().all(|f| f.rule == "R10");
     let wanted = |f: &Finding| repair == Repair::All || f.rule.starts_with('L');
-    let fixable = r.corruptions.iter().all(|f| f.rule == "R10" && repair == Repair::All);
+    let fixable = r
+        .corruptions
+        .iter()
+        .all(|f| f.rule == "R10" && repair == Repair::All);
     if !only_counters || !fixable && !r.corruptions.is_empty() {
         // Writing metadata over a corrupt image could make it worse.
         return Ok(r);

@@ -473,7 +473,7 @@ impl Header {
         }
         let vs = raw.virtual_size.get();
         let cs = geometry.cluster_size();
-        if vs == 0 || vs % cs != 0 || vs > MAX_VIRTUAL_SIZE {
+        if vs == 0 || !vs.is_multiple_of(cs) || vs > MAX_VIRTUAL_SIZE {
             return Err(FormatError::VirtualSize {
                 value: vs,
                 cluster_size: cs,

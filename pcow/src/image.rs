@@ -304,7 +304,7 @@ impl Image {
         img.scan(opts.lenient)?;
         img.uncommitted_at_open = (file_len >> g.cluster_bits())
             .saturating_sub(img.header.cluster_count)
-            + u64::from(file_len % g.cluster_size() != 0);
+            + u64::from(!file_len.is_multiple_of(g.cluster_size()));
         if let (Some(base), false) = (img.header.base.clone(), opts.skip_base) {
             let b = crate::chain::open_base(path, &base, ctx)?;
             img.base = Some(Box::new(b));
@@ -860,7 +860,9 @@ impl Image {
     /// mapping of the file rather than through [`Image::write_at`].
     pub fn active_cluster(&mut self, vcn: u64) -> Result<ActiveCluster> {
         if !self.writable {
-            return Err(Error::ReadOnly { path: self.path.clone() });
+            return Err(Error::ReadOnly {
+                path: self.path.clone(),
+            });
         }
         let cs = self.g.cluster_size();
         if vcn >= self.header.virtual_size / cs {
@@ -899,7 +901,11 @@ impl Image {
         let e = *self.layers[layer].map.get(&vcn).ok_or_else(|| {
             Error::Invalid(format!("vcn {vcn} has no cluster in the active layer"))
         })?;
-        if count == 0 || first.checked_add(count).is_none_or(|end| end > self.g.pages()) {
+        if count == 0
+            || first
+                .checked_add(count)
+                .is_none_or(|end| end > self.g.pages())
+        {
             return Err(Error::Invalid(format!(
                 "pages {first}+{count} outside a cluster of {} pages",
                 self.g.pages()
@@ -970,65 +976,104 @@ impl Image {
         self.flush()
     }
 
-    /// Content-bearing ranges of the image's view, in virtual order:
-    /// `(offset, length, source)` with adjacent equal sources merged.
+    /// Ranges of the image's view in virtual order, each with where its
+    /// bytes live; adjacent ranges with contiguous sources are merged.
     pub fn extents(&self) -> Vec<Extent> {
-        let mut out: Vec<Extent> = Vec::new();
-        self.collect_extents(
-            Some(self.header.active_layer),
-            0,
-            self.header.virtual_size,
-            0,
-            &mut out,
-        );
-        out
+        let all = [(0, self.header.virtual_size)];
+        self.view_extents(Some(self.header.active_layer), &all, 0)
     }
 
-    pub(crate) fn collect_extents(
+    /// Extents of `layer`'s view over sorted, disjoint `ranges`. Costs what
+    /// the layers hold, not the virtual size: only held clusters are walked
+    /// page by page, and everything else goes to the base in one call.
+    pub(crate) fn view_extents(
         &self,
         layer: Option<u32>,
-        start: u64,
-        end: u64,
+        ranges: &[(u64, u64)],
         depth: usize,
-        out: &mut Vec<Extent>,
-    ) {
+    ) -> Vec<Extent> {
         let cs = self.g.cluster_size();
-        let mut off = start;
-        while off < end {
-            let vcn = off / cs;
-            let in_cluster = off % cs;
-            let page = (in_cluster / PAGE_SIZE) as usize;
-            let n = (PAGE_SIZE - in_cluster % PAGE_SIZE).min(end - off);
-            match self.page_src(layer, vcn, page) {
-                PageSrc::Local(c) => push_extent(
-                    out,
-                    Extent {
-                        offset: off,
-                        length: n,
-                        depth,
-                        file: self.path.clone(),
-                        file_offset: Some(self.g.offset(c) + in_cluster),
-                    },
-                ),
-                PageSrc::Zero => push_extent(
-                    out,
-                    Extent {
-                        offset: off,
-                        length: n,
-                        depth,
-                        file: self.path.clone(),
-                        file_offset: None,
-                    },
-                ),
-                PageSrc::Base => {
-                    if let Some(b) = &self.base {
-                        b.collect_extents(off, off + n, depth + 1, out);
+        let mut held: Vec<u64> = self
+            .path_of(layer)
+            .flat_map(|l| self.layers[l as usize].map.keys().copied())
+            .collect();
+        held.sort_unstable();
+        held.dedup();
+        let mut own = Vec::new();
+        let mut gaps: Vec<(u64, u64)> = Vec::new();
+        let push_gap = |gaps: &mut Vec<(u64, u64)>, s: u64, e: u64| match gaps.last_mut() {
+            Some(last) if last.1 == s => last.1 = e,
+            _ => gaps.push((s, e)),
+        };
+        for &(start, end) in ranges {
+            let mut off = start;
+            let mut i = held.partition_point(|&v| v < start / cs);
+            while off < end {
+                let Some(v) = held.get(i).copied().filter(|v| v * cs < end) else {
+                    push_gap(&mut gaps, off, end);
+                    break;
+                };
+                i += 1;
+                if v * cs > off {
+                    push_gap(&mut gaps, off, v * cs);
+                    off = v * cs;
+                }
+                let cluster_end = ((v + 1) * cs).min(end);
+                while off < cluster_end {
+                    let in_cluster = off % cs;
+                    let page = (in_cluster / PAGE_SIZE) as usize;
+                    let n = (PAGE_SIZE - in_cluster % PAGE_SIZE).min(cluster_end - off);
+                    match self.page_src(layer, v, page) {
+                        PageSrc::Local(c) => push_extent(
+                            &mut own,
+                            Extent {
+                                offset: off,
+                                length: n,
+                                depth,
+                                file: self.path.clone(),
+                                file_offset: Some(self.g.offset(c) + in_cluster),
+                            },
+                        ),
+                        _ => push_gap(&mut gaps, off, off + n),
                     }
+                    off += n;
                 }
             }
-            off += n;
+        }
+        let below = match &self.base {
+            Some(b) => b.view_extents(&gaps, depth + 1),
+            None => gaps
+                .iter()
+                .map(|&(s, e)| Extent {
+                    offset: s,
+                    length: e - s,
+                    depth,
+                    file: self.path.clone(),
+                    file_offset: None,
+                })
+                .collect(),
+        };
+        merge_extents(own, below)
+    }
+}
+
+/// Merges two offset-sorted extent lists into one, coalescing neighbours.
+pub(crate) fn merge_extents(a: Vec<Extent>, b: Vec<Extent>) -> Vec<Extent> {
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut a, mut b) = (a.into_iter().peekable(), b.into_iter().peekable());
+    loop {
+        let next = match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if x.offset <= y.offset => a.next(),
+            (Some(_), Some(_)) => b.next(),
+            (Some(_), None) => a.next(),
+            (None, Some(_)) => b.next(),
+            (None, None) => break,
+        };
+        if let Some(e) = next {
+            push_extent(&mut out, e);
         }
     }
+    out
 }
 
 /// The active layer's cluster for a virtual cluster, as a device sees it.
@@ -1074,7 +1119,7 @@ pub(crate) fn push_extent(out: &mut Vec<Extent>, e: Extent) {
 }
 
 pub(crate) fn check_virtual_size(size: u64, g: Geometry) -> Result<()> {
-    if size == 0 || size % g.cluster_size() != 0 || size > MAX_VIRTUAL_SIZE {
+    if size == 0 || !size.is_multiple_of(g.cluster_size()) || size > MAX_VIRTUAL_SIZE {
         return Err(Error::Invalid(format!(
             "virtual size {size} must be a non-zero multiple of the cluster size {} and at most 2^56",
             g.cluster_size()

@@ -21,3 +21,5 @@ pub fn resize(path: &Path, new_size: u64) -> Result<()> {
     img.grow(new_size)?;
     img.close()
 }
+pub mod convert;
+pub mod measure;

@@ -1,0 +1,110 @@
+//! `check`: the consistency rules of the spec, in qemu-img's output and
+//! exit-code conventions (0 clean, 2 corrupt, 3 leaks only, 1 the check
+//! itself failed).
+
+use std::fmt::Write as _;
+
+use pcow::check::{CheckReport, Finding, Repair};
+use serde_json::{json, Value};
+
+use crate::output::print_json;
+use crate::{CheckArgs, OutputFormat, RepairArg};
+
+/// `R6: both slots ...` is printed as `R6` and the rest.
+fn describe(f: &Finding) -> &str {
+    f.message
+        .strip_prefix(f.rule.as_str())
+        .and_then(|m| m.strip_prefix(": "))
+        .unwrap_or(&f.message)
+}
+
+fn human(r: &CheckReport) -> String {
+    let mut s = String::new();
+    let repaired: Vec<&Finding> = r
+        .corruptions
+        .iter()
+        .chain(&r.leaks)
+        .filter(|f| f.repaired)
+        .collect();
+    if !repaired.is_empty() {
+        let _ = writeln!(
+            s,
+            "The following inconsistencies were found and repaired:\n"
+        );
+        for f in &repaired {
+            let _ = writeln!(s, "    {}: {}", f.rule, describe(f));
+        }
+        let _ = writeln!(s);
+    }
+    let errors: Vec<&Finding> = r.corruptions.iter().filter(|f| !f.repaired).collect();
+    let leaks: Vec<&Finding> = r.leaks.iter().filter(|f| !f.repaired).collect();
+    for f in &errors {
+        let _ = writeln!(s, "ERROR {}: {}", f.rule, describe(f));
+    }
+    for f in &leaks {
+        let _ = writeln!(s, "Leaked {}: {}", f.rule, describe(f));
+    }
+    if errors.is_empty() && leaks.is_empty() {
+        let _ = writeln!(s, "No errors were found on the image.");
+    }
+    if !errors.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n{} errors were found on the image.\nData may be corrupted, or further writes to the image may corrupt it.",
+            errors.len()
+        );
+    }
+    if !leaks.is_empty() {
+        // L1 names its cluster count; stale slots and the DIRTY flag leak
+        // no cluster.
+        let clusters = if leaks.iter().any(|f| f.rule == "L1") {
+            r.leaked_clusters
+        } else {
+            0
+        };
+        let other = leaks.iter().filter(|f| f.rule != "L1").count();
+        let _ = writeln!(s);
+        if clusters > 0 {
+            let _ = writeln!(s, "{clusters} leaked clusters were found on the image.");
+        }
+        if other > 0 {
+            let _ = writeln!(
+                s,
+                "{other} other leaks (stale metadata slots, DIRTY flag) were found on the image."
+            );
+        }
+        let _ = writeln!(s, "This means waste of disk space, but no harm to data.");
+    }
+    if r.total_clusters > 0 {
+        let pct = r.allocated_clusters as f64 * 100.0 / r.total_clusters as f64;
+        let _ = writeln!(
+            s,
+            "{}/{} = {pct:.2}% allocated, {} unreachable clusters",
+            r.allocated_clusters, r.total_clusters, r.unreachable_clusters
+        );
+        let _ = writeln!(s, "Image end offset: {}", r.image_end_offset);
+    }
+    s
+}
+
+pub fn check(a: CheckArgs) -> anyhow::Result<u8> {
+    let repair = a.repair.map(|r| match r {
+        RepairArg::Leaks => Repair::Leaks,
+        RepairArg::All => Repair::All,
+    });
+    let report = pcow::check::check(&a.file, repair, a.force_share)?;
+    let code = report.exit_code();
+    match a.output {
+        OutputFormat::Json => {
+            let mut v = serde_json::to_value(&report)?;
+            if let Value::Object(m) = &mut v {
+                let errors = report.corruptions.iter().filter(|f| !f.repaired).count();
+                m.insert("check-errors".into(), json!(errors));
+                m.insert("exit-code".into(), json!(code));
+            }
+            print_json(&v)?;
+        }
+        OutputFormat::Human => print!("{}", human(&report)),
+    }
+    Ok(u8::try_from(code).unwrap_or(1))
+}

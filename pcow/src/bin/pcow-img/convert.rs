@@ -1,0 +1,89 @@
+//! `convert` and `measure`: thin wrappers over `pcow::ops`.
+
+use anyhow::bail;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use pcow::ops::convert::{ConvertOptions, ImageFormat};
+use pcow::ops::measure::{measure_image, measure_size};
+use serde_json::json;
+
+use crate::create::cluster_size;
+use crate::output::print_json;
+use crate::size::parse_size;
+use crate::{ConvertArgs, Fmt, MeasureArgs, OutputFormat};
+
+fn progress_bar() -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    let style = ProgressStyle::with_template(
+        "    ({percent:>3}%) [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style);
+    bar
+}
+
+pub fn convert(a: ConvertArgs) -> anyhow::Result<u8> {
+    let cluster = cluster_size(a.cluster.as_deref())?;
+    if cluster.is_some() && a.output_format == Fmt::Raw {
+        bail!("-c (cluster size) only applies to -O pcow");
+    }
+    let opts = ConvertOptions {
+        input_format: a.input_format.map(Into::into),
+        output_format: a.output_format.into(),
+        cluster_size: cluster,
+        force_share: a.force_share,
+    };
+    let bar = a.progress.then(progress_bar);
+    let mut progress = |done: u64, total: u64| {
+        if let Some(b) = &bar {
+            b.set_length(total);
+            b.set_position(done);
+        }
+    };
+    let report = pcow::ops::convert::convert(&a.input, &a.output, &opts, &mut progress);
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    let report = report?;
+    if report.rounded() {
+        eprintln!(
+            "pcow-img: note: virtual size rounded up from {} to {} bytes (a multiple of the cluster size)",
+            report.input_size, report.output_size
+        );
+    }
+    Ok(0)
+}
+
+pub fn measure(a: MeasureArgs) -> anyhow::Result<u8> {
+    if a.output_format != Fmt::Pcow {
+        bail!("measure only supports -O pcow");
+    }
+    let cluster = cluster_size(a.cluster.as_deref())?;
+    let m = match (&a.size, &a.input) {
+        (Some(s), None) => {
+            let n = parse_size(s)?;
+            if n == 0 {
+                bail!("invalid size '{s}': must be non-zero");
+            }
+            measure_size(n, cluster)?
+        }
+        (None, Some(input)) => measure_image(
+            input,
+            a.input_format.map(ImageFormat::from),
+            cluster,
+            a.force_share,
+        )?,
+        _ => bail!("give either --size SIZE or an input image"),
+    };
+    match a.output {
+        OutputFormat::Json => print_json(&json!({
+            "required": m.required,
+            "fully-allocated": m.fully_allocated,
+        }))?,
+        OutputFormat::Human => {
+            println!("required size: {}", m.required);
+            println!("fully allocated size: {}", m.fully_allocated);
+        }
+    }
+    Ok(0)
+}

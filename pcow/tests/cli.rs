@@ -1,0 +1,954 @@
+//! End-to-end tests of `pcow-img`: the real binary on files in a tempdir.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_pcow-img");
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run_in(dir: &Path, args: &[&str]) -> Run {
+    let out: Output = Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("running pcow-img");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Runs and expects success.
+fn ok(dir: &Path, args: &[&str]) -> String {
+    let r = run_in(dir, args);
+    assert_eq!(
+        r.code, 0,
+        "pcow-img {args:?} failed: stdout {:?} stderr {:?}",
+        r.stdout, r.stderr
+    );
+    r.stdout
+}
+
+/// Runs and expects exit code 1 with one `pcow-img: ` line on stderr
+/// containing `needle`.
+fn fails(dir: &Path, args: &[&str], needle: &str) -> String {
+    let r = run_in(dir, args);
+    assert_eq!(
+        r.code, 1,
+        "pcow-img {args:?}: expected exit 1, got {}: stdout {:?} stderr {:?}",
+        r.code, r.stdout, r.stderr
+    );
+    assert!(
+        r.stderr.starts_with("pcow-img: "),
+        "stderr of {args:?}: {:?}",
+        r.stderr
+    );
+    assert_eq!(
+        r.stderr.lines().count(),
+        1,
+        "stderr of {args:?}: {:?}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains(needle),
+        "stderr of {args:?} lacks {needle:?}: {:?}",
+        r.stderr
+    );
+    r.stderr
+}
+
+fn json(dir: &Path, args: &[&str]) -> Value {
+    let s = ok(dir, args);
+    serde_json::from_str(&s).unwrap_or_else(|e| panic!("{args:?}: bad JSON {e}: {s}"))
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+fn file_len(p: &Path) -> u64 {
+    std::fs::metadata(p).unwrap().len()
+}
+
+/// Flips one byte of a file.
+fn flip(p: &Path, off: u64) {
+    let f = OpenOptions::new().read(true).write(true).open(p).unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, off).unwrap();
+    b[0] ^= 0xff;
+    f.write_all_at(&b, off).unwrap();
+}
+
+fn pattern_file(p: &Path, len: usize, pieces: &[(usize, usize, u8)]) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    for &(off, n, b) in pieces {
+        v[off..off + n].fill(b);
+    }
+    std::fs::write(p, &v).unwrap();
+    v
+}
+
+// ----- create / info -----
+
+#[test]
+fn create_and_info_json() {
+    let d = tmp();
+    let out = ok(d.path(), &["create", "-c", "4k", "a.pcow", "1M"]);
+    assert!(out.starts_with("Formatting 'a.pcow', fmt=pcow cluster_size=4096 size=1048576"));
+    let v = json(d.path(), &["info", "--output", "json", "a.pcow"]);
+    assert_eq!(v["filename"], "a.pcow");
+    assert_eq!(v["format"], "pcow");
+    assert_eq!(v["format-version"], 1);
+    assert_eq!(v["virtual-size"], 1 << 20);
+    assert_eq!(v["cluster-size"], 4096);
+    assert_eq!(v["allocated-clusters"], 0);
+    assert_eq!(v["file-length"], 4096);
+    assert!(v["actual-size"].is_u64());
+    assert_eq!(v["dirty-flag"], false);
+    assert!(v["generation"].as_u64().unwrap() >= 1);
+    assert_eq!(v["snapshots"], serde_json::json!([]));
+    assert_eq!(v["backing-chain-depth"], 0);
+    assert!(v.get("backing-filename").is_none());
+
+    ok(d.path(), &["create", "b.pcow", "64K"]);
+    let v = json(d.path(), &["info", "--output=json", "b.pcow"]);
+    assert_eq!(v["cluster-size"], 65536);
+    assert_eq!(v["virtual-size"], 65536);
+}
+
+#[test]
+fn info_human() {
+    let d = tmp();
+    ok(d.path(), &["create", "a.pcow", "1G"]);
+    let out = ok(d.path(), &["info", "a.pcow"]);
+    assert!(out.contains("image: a.pcow\n"), "{out}");
+    assert!(out.contains("file format: pcow\n"), "{out}");
+    assert!(
+        out.contains("virtual size: 1 GiB (1073741824 bytes)\n"),
+        "{out}"
+    );
+    assert!(out.contains("disk size: "), "{out}");
+    assert!(out.contains("cluster_size: 65536\n"), "{out}");
+    assert!(!out.contains("Snapshot list"), "{out}");
+    ok(d.path(), &["snapshot", "-c", "first", "a.pcow"]);
+    let out = ok(d.path(), &["info", "a.pcow"]);
+    assert!(out.contains("Snapshot list:\nID        TAG"), "{out}");
+    assert!(out.contains("1         first"), "{out}");
+}
+
+#[test]
+fn info_of_a_raw_file() {
+    let d = tmp();
+    std::fs::write(d.path().join("r.raw"), vec![1u8; 8192]).unwrap();
+    let v = json(d.path(), &["info", "--output", "json", "r.raw"]);
+    assert_eq!(v["format"], "raw");
+    assert_eq!(v["virtual-size"], 8192);
+    let out = ok(d.path(), &["info", "r.raw"]);
+    assert!(out.contains("file format: raw"), "{out}");
+}
+
+#[test]
+fn create_with_base_and_backing_chain() {
+    let d = tmp();
+    let sub = d.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    // A raw base of 100000 bytes; the pcow base over it, the top over that.
+    std::fs::write(sub.join("r.raw"), vec![3u8; 100_000]).unwrap();
+    // Relative names resolve against the new image's directory, not the cwd.
+    ok(
+        d.path(),
+        &["create", "-b", "r.raw", "-F", "raw", "sub/mid.pcow"],
+    );
+    let v = json(d.path(), &["info", "--output", "json", "sub/mid.pcow"]);
+    assert_eq!(
+        v["virtual-size"], 131072,
+        "base size rounded to the cluster"
+    );
+    assert_eq!(v["backing-filename"], "r.raw");
+    assert_eq!(v["backing-filename-format"], "raw");
+    let full = PathBuf::from(v["full-backing-filename"].as_str().unwrap());
+    assert_eq!(
+        std::fs::canonicalize(full).unwrap(),
+        std::fs::canonicalize(sub.join("r.raw")).unwrap()
+    );
+    assert_eq!(v["backing-chain-depth"], 1);
+
+    // Without -F the base's format is probed and recorded.
+    ok(d.path(), &["create", "-b", "mid.pcow", "sub/top.pcow"]);
+    let v = json(d.path(), &["info", "--output", "json", "sub/top.pcow"]);
+    assert_eq!(v["backing-filename-format"], "pcow");
+    assert_eq!(v["backing-chain-depth"], 2);
+
+    let chain = json(
+        d.path(),
+        &[
+            "info",
+            "--output",
+            "json",
+            "--backing-chain",
+            "sub/top.pcow",
+        ],
+    );
+    let chain = chain.as_array().unwrap();
+    assert_eq!(chain.len(), 3);
+    assert_eq!(chain[0]["filename"], "sub/top.pcow");
+    assert_eq!(chain[1]["format"], "pcow");
+    assert_eq!(chain[2]["format"], "raw");
+    assert_eq!(chain[2]["virtual-size"], 100_000);
+    let human = ok(d.path(), &["info", "--backing-chain", "sub/top.pcow"]);
+    assert_eq!(human.matches("image: ").count(), 3, "{human}");
+    assert!(
+        human.contains("backing file: mid.pcow (actual path: "),
+        "{human}"
+    );
+
+    // The top's view reads the raw bytes through the chain.
+    ok(
+        d.path(),
+        &["io", "-r", "sub/top.pcow", "-c", "read -P 3 0 100000"],
+    );
+    ok(
+        d.path(),
+        &["io", "-r", "sub/top.pcow", "-c", "read -P 0 100000 31072"],
+    );
+}
+
+#[test]
+fn create_errors() {
+    let d = tmp();
+    let p = d.path();
+    fails(p, &["create", "a.pcow", "12x"], "'12x'");
+    fails(p, &["create", "a.pcow", ""], "''");
+    fails(
+        p,
+        &["create", "a.pcow", "99999999999999999999"],
+        "too large",
+    );
+    fails(p, &["create", "a.pcow", "99999999T"], "too large");
+    fails(
+        p,
+        &["create", "a.pcow", "1000"],
+        "not a multiple of the cluster size 65536",
+    );
+    fails(p, &["create", "-c", "4k", "a.pcow", "6k"], "'6k'");
+    fails(p, &["create", "a.pcow", "0"], "'0'");
+    fails(p, &["create", "a.pcow"], "size is needed");
+    fails(
+        p,
+        &["create", "-c", "3k", "a.pcow", "1M"],
+        "cluster size '3k'",
+    );
+    fails(
+        p,
+        &["create", "-c", "4M", "a.pcow", "4M"],
+        "cluster size '4M'",
+    );
+    fails(
+        p,
+        &["create", "-b", "missing.raw", "a.pcow"],
+        "does not exist",
+    );
+    std::fs::write(p.join("r.raw"), [0u8; 4096]).unwrap();
+    fails(
+        p,
+        &["create", "-b", "r.raw", "-F", "pcow", "a.pcow"],
+        "is not a pcow image",
+    );
+    fails(p, &["create", "-F", "raw", "a.pcow", "1M"], "");
+    fails(
+        p,
+        &["create", "-b", "r.raw", "-F", "qcow2", "a.pcow"],
+        "qcow2",
+    );
+    fails(p, &["create", "nodir/a.pcow", "1M"], "nodir/a.pcow");
+}
+
+#[test]
+fn usage_errors_and_help() {
+    let d = tmp();
+    fails(d.path(), &["frobnicate"], "frobnicate");
+    fails(d.path(), &["info"], "");
+    fails(d.path(), &["info", "missing.pcow"], "missing.pcow");
+    let r = run_in(d.path(), &["--help"]);
+    assert_eq!(r.code, 0);
+    assert!(r.stdout.contains("convert"));
+    let r = run_in(d.path(), &["create", "--help"]);
+    assert_eq!(r.code, 0);
+}
+
+// ----- check -----
+
+#[test]
+fn check_exit_codes() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "a.pcow", "1M"]);
+    ok(p, &["io", "a.pcow", "-c", "write 0 16k"]);
+    let out = ok(p, &["check", "a.pcow"]);
+    assert!(out.contains("No errors were found on the image."), "{out}");
+    let v = json(p, &["check", "--output", "json", "a.pcow"]);
+    assert_eq!(v["corruptions"], serde_json::json!([]));
+    assert_eq!(v["leaks"], serde_json::json!([]));
+    assert_eq!(v["check-errors"], 0);
+    assert_eq!(v["allocated_clusters"], 4);
+
+    // Leak: a cluster of zeros past the committed end (L1).
+    let img = p.join("a.pcow");
+    let len = file_len(&img);
+    let f = OpenOptions::new().append(true).open(&img).unwrap();
+    f.set_len(len + 4096).unwrap();
+    drop(f);
+    let r = run_in(p, &["check", "a.pcow"]);
+    assert_eq!(r.code, 3, "{r:?}", r = (r.stdout.clone(), r.stderr.clone()));
+    assert!(r.stdout.contains("L1"), "{}", r.stdout);
+    assert!(
+        r.stdout.contains("leaked clusters were found"),
+        "{}",
+        r.stdout
+    );
+    let r = run_in(p, &["check", "--output", "json", "a.pcow"]);
+    assert_eq!(r.code, 3);
+    let v: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(v["leaks"][0]["rule"], "L1");
+    assert_eq!(v["leaks"][0]["repaired"], false);
+
+    // Repair the leak: exit 0, and clean afterwards.
+    let out = ok(p, &["check", "-r", "leaks", "a.pcow"]);
+    assert!(out.contains("repaired"), "{out}");
+    assert_eq!(file_len(&img), len);
+    ok(p, &["check", "a.pcow"]);
+
+    // Corruption: flip a byte in both slots of the meta cluster (cluster 1).
+    flip(&img, 4096 + 40);
+    flip(&img, 4096 + 2048 + 40);
+    let r = run_in(p, &["check", "a.pcow"]);
+    assert_eq!(r.code, 2, "{} {}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("ERROR R6"), "{}", r.stdout);
+    assert!(
+        r.stdout.contains("errors were found on the image"),
+        "{}",
+        r.stdout
+    );
+    let r = run_in(p, &["check", "--output", "json", "a.pcow"]);
+    assert_eq!(r.code, 2);
+    let v: Value = serde_json::from_str(&r.stdout).unwrap();
+    assert_eq!(v["corruptions"][0]["rule"], "R6");
+    assert_eq!(v["check-errors"], 1);
+    // Repairs do not touch a corrupt image.
+    assert_eq!(run_in(p, &["check", "-r", "all", "a.pcow"]).code, 2);
+}
+
+#[test]
+fn check_errors_that_stop_it() {
+    let d = tmp();
+    let p = d.path();
+    fails(p, &["check", "missing.pcow"], "missing.pcow");
+    std::fs::write(p.join("r.raw"), [0u8; 4096]).unwrap();
+    fails(p, &["check", "r.raw"], "not a pcow image");
+    ok(p, &["create", "a.pcow", "1M"]);
+    fails(p, &["check", "-r", "bogus", "a.pcow"], "bogus");
+}
+
+#[test]
+fn check_reports_a_missing_base() {
+    let d = tmp();
+    let p = d.path();
+    std::fs::write(p.join("r.raw"), [0u8; 65536]).unwrap();
+    ok(p, &["create", "-b", "r.raw", "a.pcow"]);
+    std::fs::remove_file(p.join("r.raw")).unwrap();
+    let r = run_in(p, &["check", "a.pcow"]);
+    assert_eq!(r.code, 2, "{} {}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("R11"), "{}", r.stdout);
+}
+
+// ----- snapshots -----
+
+#[test]
+fn snapshots_create_list_apply_delete() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "a.pcow", "1M"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 1 0 4k"]);
+    ok(p, &["snapshot", "-c", "one", "a.pcow"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 2 0 4k"]);
+    ok(p, &["snapshot", "-c", "two", "a.pcow"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 3 0 4k"]);
+
+    let out = ok(p, &["snapshot", "-l", "a.pcow"]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "Snapshot list:");
+    assert!(
+        lines[1].starts_with("ID        TAG               VM SIZE"),
+        "{out}"
+    );
+    assert!(lines[2].starts_with("1         one "), "{out}");
+    assert!(lines[3].starts_with("2         two "), "{out}");
+    // -U lists without locks.
+    ok(p, &["snapshot", "-U", "-l", "a.pcow"]);
+
+    // Apply by tag, by id, and with rollback.
+    ok(p, &["snapshot", "-a", "one", "a.pcow"]);
+    ok(p, &["io", "-r", "a.pcow", "-c", "read -P 1 0 4k"]);
+    ok(p, &["snapshot", "-a", "2", "a.pcow"]);
+    ok(p, &["io", "-r", "a.pcow", "-c", "read -P 2 0 4k"]);
+    ok(p, &["rollback", "a.pcow", "one"]);
+    ok(p, &["io", "-r", "a.pcow", "-c", "read -P 1 0 4k"]);
+
+    let v = json(p, &["info", "--output", "json", "a.pcow"]);
+    let snaps = v["snapshots"].as_array().unwrap();
+    assert_eq!(snaps.len(), 2);
+    assert_eq!(snaps[0]["id"], 1);
+    assert_eq!(snaps[0]["tag"], "one");
+    assert!(snaps[0]["date-sec"].as_u64().unwrap() > 0);
+    assert!(snaps[0]["date-nsec"].as_u64().unwrap() < 1_000_000_000);
+
+    ok(p, &["snapshot", "-d", "one", "a.pcow"]);
+    let out = ok(p, &["snapshot", "-l", "a.pcow"]);
+    assert!(!out.contains(" one "), "{out}");
+    assert!(out.contains(" two "), "{out}");
+    ok(p, &["check", "a.pcow"]);
+}
+
+#[test]
+fn snapshot_errors() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "a.pcow", "1M"]);
+    ok(p, &["snapshot", "-c", "s", "a.pcow"]);
+    fails(p, &["snapshot", "-c", "s", "a.pcow"], "already exists");
+    fails(p, &["snapshot", "-a", "nope", "a.pcow"], "no snapshot");
+    fails(p, &["snapshot", "-d", "9", "a.pcow"], "no snapshot");
+    fails(p, &["rollback", "a.pcow", "nope"], "no snapshot");
+    fails(p, &["snapshot", "a.pcow"], "");
+    fails(p, &["snapshot", "-l", "-c", "x", "a.pcow"], "");
+    fails(p, &["snapshot", "-U", "-c", "x", "a.pcow"], "-U");
+    fails(p, &["snapshot", "-l", "missing.pcow"], "missing.pcow");
+}
+
+// ----- io -----
+
+#[test]
+fn io_commands() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "a.pcow", "1M"]);
+    let out = ok(
+        p,
+        &[
+            "io",
+            "a.pcow",
+            "-c",
+            "write 0 4096",
+            "-c",
+            "write -P 0x5a 8k 6k",
+            "-c",
+            "flush",
+            "-c",
+            "read -P 0xcd 0 4k",
+        ],
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "wrote 4096/4096 bytes at offset 0",
+            "wrote 6144/6144 bytes at offset 8192",
+            "flushed",
+            "read 4096/4096 bytes at offset 0",
+        ]
+    );
+    ok(p, &["io", "-r", "a.pcow", "-c", "read -P 90 8k 6k"]);
+    ok(p, &["io", "-r", "a.pcow", "-c", "read -P 0 4k 4k"]);
+    ok(p, &["io", "-r", "-U", "a.pcow", "-c", "read 0 1M"]);
+
+    // Mismatch: exit 1 naming the first differing offset.
+    let r = run_in(p, &["io", "-r", "a.pcow", "-c", "read -P 0x5a 7k 2k"]);
+    assert_eq!(r.code, 1);
+    assert!(r.stderr.contains("offset 7168"), "{}", r.stderr);
+
+    fails(p, &["io", "-r", "a.pcow", "-c", "write 0 4k"], "read-only");
+    fails(
+        p,
+        &["io", "a.pcow", "-c", "write 1M 1"],
+        "beyond the virtual size",
+    );
+    fails(
+        p,
+        &["io", "a.pcow", "-c", "read 0 2M"],
+        "beyond the virtual size",
+    );
+    fails(p, &["io", "a.pcow", "-c", "write 0 12x"], "'12x'");
+    fails(p, &["io", "a.pcow", "-c", "write -P 300 0 1"], "'300'");
+    fails(p, &["io", "a.pcow", "-c", "erase 0 1"], "erase");
+    fails(p, &["io", "a.pcow", "-c", "read 0"], "OFFSET LENGTH");
+    fails(p, &["io", "-U", "a.pcow", "-c", "read 0 1"], "-r");
+    fails(p, &["io", "a.pcow"], "");
+    ok(p, &["check", "a.pcow"]);
+}
+
+// ----- map -----
+
+#[test]
+fn map_human_and_json() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "base.pcow", "1M"]);
+    ok(p, &["io", "base.pcow", "-c", "write 0 8k"]);
+    ok(p, &["create", "-c", "4k", "-b", "base.pcow", "top.pcow"]);
+    ok(p, &["io", "top.pcow", "-c", "write 64k 4k"]);
+
+    let out = ok(p, &["map", "top.pcow"]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "Offset          Length          Mapped to       File"
+    );
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(
+        lines[1].starts_with("0               0x2000          0x2000          base.pcow"),
+        "{out}"
+    );
+    assert!(
+        lines[2].starts_with("0x10000         0x1000          0x2000          top.pcow"),
+        "{out}"
+    );
+
+    let v = json(p, &["map", "--output", "json", "top.pcow"]);
+    let list = v.as_array().unwrap();
+    let data: Vec<&Value> = list.iter().filter(|e| e["data"] == true).collect();
+    assert_eq!(data.len(), 2);
+    assert_eq!(data[0]["start"], 0);
+    assert_eq!(data[0]["length"], 8192);
+    assert_eq!(data[0]["depth"], 1);
+    assert_eq!(data[0]["present"], true);
+    assert_eq!(data[0]["offset"], 8192);
+    assert_eq!(data[0]["file"], "base.pcow");
+    assert_eq!(data[1]["depth"], 0);
+    let zeros: Vec<&Value> = list.iter().filter(|e| e["data"] == false).collect();
+    assert!(!zeros.is_empty());
+    assert!(zeros
+        .iter()
+        .all(|e| e["zero"] == true && e.get("offset").is_none()));
+    let total: u64 = list.iter().map(|e| e["length"].as_u64().unwrap()).sum();
+    assert_eq!(total, 1 << 20);
+    fails(p, &["map", "missing.pcow"], "missing.pcow");
+}
+
+// ----- convert / measure -----
+
+#[test]
+fn convert_round_trip_and_sparse_output() {
+    let d = tmp();
+    let p = d.path();
+    let size = 64 << 20;
+    let raw = p.join("in.raw");
+    let mut want = vec![0u8; 300_000];
+    for (i, b) in want.iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    std::fs::write(&raw, &want).unwrap();
+    // A hole, then data in the middle, then a hole up to 64 MiB.
+    let f = OpenOptions::new().write(true).open(&raw).unwrap();
+    f.write_all_at(b"middle", 40 << 20).unwrap();
+    f.set_len(size).unwrap();
+    drop(f);
+
+    let r = run_in(p, &["convert", "-O", "pcow", "-p", "in.raw", "a.pcow"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    let v = json(p, &["info", "--output", "json", "a.pcow"]);
+    assert_eq!(v["virtual-size"], size);
+    // 300000 bytes -> 5 clusters of 64 KiB, plus one for "middle".
+    assert_eq!(v["allocated-clusters"], 6);
+    ok(p, &["check", "a.pcow"]);
+
+    // measure IN predicts exactly the converted file's size.
+    let out = ok(p, &["measure", "-O", "pcow", "in.raw"]);
+    let required = format!("required size: {}\n", file_len(&p.join("a.pcow")));
+    assert!(out.starts_with(&required), "{out} vs {required}");
+    assert!(out.contains("fully allocated size: "), "{out}");
+
+    ok(p, &["convert", "-O", "raw", "a.pcow", "back.raw"]);
+    let back = p.join("back.raw");
+    assert_eq!(file_len(&back), size);
+    assert_eq!(
+        std::fs::read(&raw).unwrap(),
+        std::fs::read(&back).unwrap(),
+        "round trip differs"
+    );
+    // Sparse: far fewer blocks than the length.
+    let blocks = std::fs::metadata(&back).unwrap().blocks() * 512;
+    assert!(
+        blocks < size / 16,
+        "raw output not sparse: {blocks} bytes allocated"
+    );
+
+    // raw -> raw keeps it sparse too; -f given explicitly.
+    ok(
+        p,
+        &["convert", "-f", "raw", "-O", "raw", "in.raw", "copy.raw"],
+    );
+    assert_eq!(
+        std::fs::read(&raw).unwrap(),
+        std::fs::read(p.join("copy.raw")).unwrap()
+    );
+    assert!(std::fs::metadata(p.join("copy.raw")).unwrap().blocks() * 512 < size / 16);
+
+    // pcow -> pcow with another cluster size.
+    ok(
+        p,
+        &["convert", "-O", "pcow", "-c", "4k", "a.pcow", "b.pcow"],
+    );
+    let v = json(p, &["info", "--output", "json", "b.pcow"]);
+    assert_eq!(v["cluster-size"], 4096);
+    assert_eq!(v["allocated-clusters"], 75); // ceil(300000 / 4096) + 1
+    ok(p, &["convert", "-O", "raw", "b.pcow", "back2.raw"]);
+    assert_eq!(
+        std::fs::read(&raw).unwrap(),
+        std::fs::read(p.join("back2.raw")).unwrap()
+    );
+}
+
+#[test]
+fn convert_zero_clusters_are_not_allocated() {
+    let d = tmp();
+    let p = d.path();
+    // Written zeros (not holes) are still not copied.
+    pattern_file(&p.join("z.raw"), 1 << 20, &[(200_000, 10, 9)]);
+    ok(p, &["convert", "-O", "pcow", "z.raw", "z.pcow"]);
+    let v = json(p, &["info", "--output", "json", "z.pcow"]);
+    assert_eq!(v["allocated-clusters"], 1);
+    ok(p, &["convert", "-O", "raw", "z.raw", "z2.raw"]);
+    assert!(std::fs::metadata(p.join("z2.raw")).unwrap().blocks() * 512 < 64 << 10);
+    assert_eq!(
+        std::fs::read(p.join("z.raw")).unwrap(),
+        std::fs::read(p.join("z2.raw")).unwrap()
+    );
+}
+
+#[test]
+fn convert_reads_through_the_chain_and_rounds() {
+    let d = tmp();
+    let p = d.path();
+    let want = pattern_file(&p.join("base.raw"), 70_000, &[(0, 70_000, 4)]);
+    ok(p, &["create", "-c", "4k", "-b", "base.raw", "top.pcow"]);
+    ok(p, &["io", "top.pcow", "-c", "write -P 5 4k 4k"]);
+    ok(p, &["snapshot", "-c", "s", "top.pcow"]);
+    ok(p, &["io", "top.pcow", "-c", "write -P 6 8k 4k"]);
+    ok(p, &["convert", "-O", "raw", "top.pcow", "flat.raw"]);
+    let got = std::fs::read(p.join("flat.raw")).unwrap();
+    assert_eq!(got.len(), 73_728);
+    let mut exp = want.clone();
+    exp.resize(73_728, 0);
+    exp[4096..8192].fill(5);
+    exp[8192..12288].fill(6);
+    assert_eq!(got, exp);
+
+    // Rounding: a note on stderr; the image is the input rounded up.
+    let r = run_in(p, &["convert", "-O", "pcow", "base.raw", "r.pcow"]);
+    assert_eq!(r.code, 0, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("rounded up from 70000 to 131072"),
+        "{}",
+        r.stderr
+    );
+    let v = json(p, &["info", "--output", "json", "r.pcow"]);
+    assert_eq!(v["virtual-size"], 131072);
+    ok(
+        p,
+        &[
+            "io",
+            "-r",
+            "r.pcow",
+            "-c",
+            "read -P 4 0 70000",
+            "-c",
+            "read -P 0 70000 61072",
+        ],
+    );
+}
+
+#[test]
+fn convert_errors() {
+    let d = tmp();
+    let p = d.path();
+    std::fs::write(p.join("r.raw"), [1u8; 4096]).unwrap();
+    fails(
+        p,
+        &["convert", "-O", "pcow", "missing.raw", "o.pcow"],
+        "missing.raw",
+    );
+    fails(
+        p,
+        &["convert", "-f", "pcow", "-O", "raw", "r.raw", "o.raw"],
+        "not a pcow image",
+    );
+    fails(
+        p,
+        &["convert", "-O", "raw", "-c", "4k", "r.raw", "o.raw"],
+        "-c",
+    );
+    fails(
+        p,
+        &["convert", "-O", "pcow", "-c", "5k", "r.raw", "o.pcow"],
+        "'5k'",
+    );
+    fails(p, &["convert", "-O", "qcow2", "r.raw", "o"], "qcow2");
+    fails(
+        p,
+        &["convert", "-O", "raw", "r.raw", "r.raw"],
+        "is the input image",
+    );
+    assert_eq!(std::fs::read(p.join("r.raw")).unwrap(), vec![1u8; 4096]);
+    // Nor any image of the input's chain, even without locks.
+    ok(p, &["create", "-b", "r.raw", "top.pcow"]);
+    fails(
+        p,
+        &["convert", "-U", "-O", "raw", "top.pcow", "r.raw"],
+        "base chain",
+    );
+    assert_eq!(std::fs::read(p.join("r.raw")).unwrap(), vec![1u8; 4096]);
+    std::fs::write(p.join("empty.raw"), []).unwrap();
+    fails(
+        p,
+        &["convert", "-O", "pcow", "empty.raw", "o.pcow"],
+        "empty",
+    );
+    fails(p, &["convert", "-O", "pcow", "r.raw"], "");
+}
+
+#[test]
+fn measure_sizes() {
+    let d = tmp();
+    let p = d.path();
+    let out = ok(p, &["measure", "-O", "pcow", "--size", "1G"]);
+    assert!(
+        out.starts_with("required size: 65536\nfully allocated size: "),
+        "{out}"
+    );
+    let v = json(
+        p,
+        &[
+            "measure", "-O", "pcow", "-c", "4k", "--size", "1M", "--output", "json",
+        ],
+    );
+    assert_eq!(v["required"], 4096);
+    // 256 data clusters, N = (2048 - 32) / 16 = 126 entries per meta cluster.
+    assert_eq!(v["fully-allocated"], (1 + 3 + 256) * 4096);
+
+    // A fully written image measures as its fully allocated size.
+    pattern_file(&p.join("full.raw"), 1 << 20, &[(0, 1 << 20, 0xee)]);
+    let v = json(
+        p,
+        &[
+            "measure", "-O", "pcow", "-c", "4k", "--output", "json", "full.raw",
+        ],
+    );
+    assert_eq!(v["required"], v["fully-allocated"]);
+    ok(
+        p,
+        &["convert", "-O", "pcow", "-c", "4k", "full.raw", "full.pcow"],
+    );
+    assert_eq!(v["required"], file_len(&p.join("full.pcow")));
+
+    fails(p, &["measure", "-O", "pcow", "--size", "12x"], "'12x'");
+    fails(p, &["measure", "-O", "raw", "--size", "1M"], "pcow");
+    fails(p, &["measure", "-O", "pcow"], "");
+    fails(
+        p,
+        &["measure", "-O", "pcow", "--size", "1M", "full.raw"],
+        "",
+    );
+    fails(p, &["measure", "-O", "pcow", "missing.raw"], "missing.raw");
+}
+
+// ----- resize / commit / rebase / compact -----
+
+#[test]
+fn resize_grows() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "a.pcow", "1M"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 8 0 64k"]);
+    let out = ok(p, &["resize", "a.pcow", "+1M"]);
+    assert_eq!(out, "Image resized.\n");
+    let v = json(p, &["info", "--output", "json", "a.pcow"]);
+    assert_eq!(v["virtual-size"], 2 << 20);
+    ok(p, &["resize", "a.pcow", "4m"]);
+    let v = json(p, &["info", "--output", "json", "a.pcow"]);
+    assert_eq!(v["virtual-size"], 4 << 20);
+    ok(
+        p,
+        &[
+            "io",
+            "-r",
+            "a.pcow",
+            "-c",
+            "read -P 8 0 64k",
+            "-c",
+            "read -P 0 64k 4032k",
+        ],
+    );
+    fails(p, &["resize", "a.pcow", "1M"], "shrinking");
+    fails(p, &["resize", "a.pcow", "-1M"], "shrinking");
+    fails(
+        p,
+        &["resize", "a.pcow", "+1000"],
+        "not a multiple of the cluster size",
+    );
+    fails(p, &["resize", "a.pcow", "5000000"], "'5000000'");
+    fails(p, &["resize", "a.pcow", "12x"], "'12x'");
+    fails(p, &["resize", "missing.pcow", "1G"], "missing.pcow");
+    ok(p, &["check", "a.pcow"]);
+}
+
+#[test]
+fn commit_into_base() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "base.pcow", "1M"]);
+    ok(p, &["io", "base.pcow", "-c", "write -P 1 0 16k"]);
+    ok(p, &["create", "-b", "base.pcow", "top.pcow"]);
+    ok(p, &["io", "top.pcow", "-c", "write -P 2 4k 4k"]);
+
+    // -d keeps the overlay's data.
+    let out = ok(p, &["commit", "-d", "top.pcow"]);
+    assert!(out.starts_with("Image committed"), "{out}");
+    ok(
+        p,
+        &[
+            "io",
+            "-r",
+            "base.pcow",
+            "-c",
+            "read -P 2 4k 4k",
+            "-c",
+            "read -P 1 0 4k",
+        ],
+    );
+    let v = json(p, &["info", "--output", "json", "top.pcow"]);
+    assert_eq!(v["allocated-clusters"], 1);
+
+    ok(p, &["io", "top.pcow", "-c", "write -P 3 8k 4k"]);
+    ok(p, &["commit", "top.pcow"]);
+    let v = json(p, &["info", "--output", "json", "top.pcow"]);
+    assert_eq!(v["allocated-clusters"], 0);
+    ok(
+        p,
+        &[
+            "io",
+            "-r",
+            "top.pcow",
+            "-c",
+            "read -P 3 8k 4k",
+            "-c",
+            "read -P 2 4k 4k",
+        ],
+    );
+    ok(p, &["check", "top.pcow"]);
+    ok(p, &["check", "base.pcow"]);
+    fails(p, &["commit", "base.pcow"], "no base image");
+}
+
+#[test]
+fn rebase_safe_unsafe_and_flatten() {
+    let d = tmp();
+    let p = d.path();
+    pattern_file(&p.join("a.raw"), 1 << 20, &[(0, 1 << 20, 0xa)]);
+    pattern_file(&p.join("b.raw"), 1 << 20, &[(0, 1 << 20, 0xb)]);
+    ok(p, &["create", "-b", "a.raw", "top.pcow"]);
+    ok(p, &["io", "top.pcow", "-c", "write -P 1 0 4k"]);
+
+    // Safe rebase keeps the view.
+    ok(p, &["rebase", "-F", "raw", "-b", "b.raw", "top.pcow"]);
+    let v = json(p, &["info", "--output", "json", "top.pcow"]);
+    assert_eq!(v["backing-filename"], "b.raw");
+    ok(
+        p,
+        &[
+            "io",
+            "-r",
+            "top.pcow",
+            "-c",
+            "read -P 1 0 4k",
+            "-c",
+            "read -P 0xa 4k 1020k",
+        ],
+    );
+
+    // Unsafe only renames: the view now shows b.
+    ok(p, &["rebase", "-u", "-b", "a.raw", "top.pcow"]);
+    ok(p, &["rebase", "-u", "-b", "b.raw", "top.pcow"]);
+    ok(p, &["io", "-r", "top.pcow", "-c", "read -P 0xa 4k 60k"]);
+
+    // Flatten.
+    ok(p, &["rebase", "-b", "", "top.pcow"]);
+    let v = json(p, &["info", "--output", "json", "top.pcow"]);
+    assert!(v.get("backing-filename").is_none());
+    std::fs::remove_file(p.join("b.raw")).unwrap();
+    ok(
+        p,
+        &[
+            "io",
+            "-r",
+            "top.pcow",
+            "-c",
+            "read -P 1 0 4k",
+            "-c",
+            "read -P 0xa 4k 60k",
+        ],
+    );
+    ok(p, &["check", "top.pcow"]);
+
+    fails(
+        p,
+        &["rebase", "-b", "missing.raw", "top.pcow"],
+        "does not exist",
+    );
+    fails(p, &["rebase", "-b", "", "-F", "raw", "top.pcow"], "-F");
+    fails(p, &["rebase", "top.pcow"], "");
+}
+
+#[test]
+fn compact_reclaims() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "a.pcow", "1M"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 1 0 64k"]);
+    ok(p, &["snapshot", "-c", "s", "a.pcow"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 2 0 64k"]);
+    ok(p, &["snapshot", "-d", "s", "a.pcow"]);
+    let before = file_len(&p.join("a.pcow"));
+    let out = ok(p, &["compact", "a.pcow"]);
+    assert!(out.starts_with("Image compacted"), "{out}");
+    assert!(file_len(&p.join("a.pcow")) < before);
+    ok(p, &["io", "-r", "a.pcow", "-c", "read -P 2 0 64k"]);
+    ok(p, &["check", "a.pcow"]);
+    fails(p, &["compact", "missing.pcow"], "missing.pcow");
+}
+
+// ----- locking -----
+
+#[test]
+fn locked_image_is_an_error() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "a.pcow", "1M"]);
+    let img = pcow::Image::open(p.join("a.pcow"), pcow::OpenOptions::read_write()).unwrap();
+    fails(p, &["io", "a.pcow", "-c", "write 0 1"], "in use");
+    fails(p, &["snapshot", "-c", "x", "a.pcow"], "in use");
+    fails(p, &["info", "a.pcow"], "in use");
+    ok(p, &["info", "-U", "a.pcow"]);
+    drop(img);
+    ok(p, &["info", "a.pcow"]);
+}
