@@ -221,12 +221,24 @@ fn device_api_allocates_records_pages_and_survives_reopen() {
     // A hole: the fresh cluster is the whole truth.
     let hole = img.active_cluster(5).unwrap();
     assert!(hole.fresh && hole.whole);
-    assert_eq!(img.active_cluster(5).unwrap(), pcow::ActiveCluster { fresh: false, ..hole });
-    img.file().unwrap().write_all_at(&[9u8; 10], hole.file_offset + 100).unwrap();
+    assert_eq!(
+        img.active_cluster(5).unwrap(),
+        pcow::ActiveCluster {
+            fresh: false,
+            ..hole
+        }
+    );
+    img.file()
+        .unwrap()
+        .write_all_at(&[9u8; 10], hole.file_offset + 100)
+        .unwrap();
     // Over snapshot data: only recorded pages belong to the new layer.
     let cow = img.active_cluster(0).unwrap();
     assert!(cow.fresh && !cow.whole);
-    img.file().unwrap().write_all_at(&[2u8; 4096], cow.file_offset + 4096).unwrap();
+    img.file()
+        .unwrap()
+        .write_all_at(&[2u8; 4096], cow.file_offset + 4096)
+        .unwrap();
     img.record_pages(0, 1, 1).unwrap();
     img.mark_data_written();
     assert!(img.record_pages(0, 16, 1).is_err());
