@@ -61,6 +61,8 @@ pub mod features {
 pub enum FormatError {
     #[error("not a pcow image (no magic at offset 0)")]
     NotPcow,
+    #[error("R1: file is {len} bytes, shorter than a header slot (2048 bytes at least)")]
+    Truncated { len: u64 },
     #[error("R1: no valid header slot (slot A: {a}; slot B: {b})")]
     NoValidHeader { a: String, b: String },
     #[error("R1: bad magic at offset {offset}")]
@@ -188,7 +190,7 @@ impl FormatError {
             NoValidHeader { .. } | HeaderMagic { .. } | Version { .. } | HeaderLength { .. } => {
                 "R1"
             }
-            ClusterBits { .. } | Crc { .. } => "R1",
+            ClusterBits { .. } | Crc { .. } | Truncated { .. } => "R1",
             UnknownIncompatible { .. } => "R2",
             VirtualSize { .. } => "R3",
             BaseNameLength { .. } | BaseNameEncoding { .. } | BaseFormat { .. } => "R4",
@@ -715,8 +717,11 @@ pub(crate) fn check_snap_fields(buf: &[u8], at: u64) -> Result<(), FormatError> 
             offset: at + 48,
         });
     }
-    if s.vm_state_offset.get() != 0 || s.vm_state_size.get() != 0 {
+    if s.vm_state_offset.get() != 0 {
         return Err(FormatError::VmState { offset: at + 56 });
+    }
+    if s.vm_state_size.get() != 0 {
+        return Err(FormatError::VmState { offset: at + 64 });
     }
     Ok(())
 }

@@ -299,7 +299,9 @@ impl Image {
             uncommitted_at_open: 0,
             findings: Vec::new(),
             base: None,
-            closed: false,
+            // Nothing may be written back until the open succeeds: a
+            // refused image must be left exactly as it was.
+            closed: true,
         };
         img.scan(opts.lenient)?;
         img.uncommitted_at_open = (file_len >> g.cluster_bits())
@@ -309,6 +311,18 @@ impl Image {
             let b = crate::chain::open_base(path, &base, ctx)?;
             img.base = Some(Box::new(b));
         }
+        // Writing over entries a lenient scan rejected would make the
+        // damage permanent; only counters (R10) can be rewritten.
+        if let (true, Some(f)) = (
+            opts.writable,
+            img.findings.iter().find(|f| f.rule() != "R10"),
+        ) {
+            return Err(Error::Format {
+                path: path.to_owned(),
+                source: f.clone(),
+            });
+        }
+        img.closed = false;
         if opts.writable {
             img.start_writing()?;
         }
@@ -328,17 +342,19 @@ impl Image {
         if let Some(b) = &opts.base {
             crate::chain::check_base_name(&b.name)?;
         }
-        let file = FsOpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(io_err(path, "creating"))?;
-        lock_file(&file, path, true)?;
-        // The base must exist and be readable before anything is written.
+        // An existing file is locked (and visited, so a base chain that
+        // leads back to it is a cycle) before anything is decided; a new
+        // file is only made once the base chain has opened.
         let mut ctx = ChainCtx::default();
-        ctx.visit(&file, path)?;
+        let existing = match FsOpenOptions::new().read(true).write(true).open(path) {
+            Ok(f) => {
+                lock_file(&f, path, true)?;
+                ctx.visit(&f, path)?;
+                Some(f)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_err(path, "opening")(e)),
+        };
         let base = match &opts.base {
             Some(b) => Some(crate::chain::open_base(path, b, &mut ctx)?),
             None => None,
@@ -354,6 +370,19 @@ impl Image {
         };
         check_virtual_size(virtual_size, g)?;
         drop(base);
+        let file = match existing {
+            Some(f) => f,
+            None => {
+                let f = FsOpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .open(path)
+                    .map_err(io_err(path, "creating"))?;
+                lock_file(&f, path, true)?;
+                f
+            }
+        };
         let mut storage = FileStorage::new(file);
         storage.set_len(0).map_err(io_err(path, "truncating"))?;
         let mut header = Header::new(g, virtual_size, opts.base.clone());

@@ -47,6 +47,12 @@ pub(crate) fn read_header(
     if magic != MAGIC {
         return Err(HeaderError::Format(FormatError::NotPcow));
     }
+    let min_slot = 1u64 << (MIN_CLUSTER_BITS - 1);
+    if file_len < min_slot {
+        return Err(HeaderError::Format(FormatError::Truncated {
+            len: file_len,
+        }));
+    }
     // Slot A's cluster_bits tells where slot B is; if slot A is torn, try
     // every geometry for B (its own cluster_bits must agree).
     let mut bits = [0u8; 4];
@@ -77,6 +83,9 @@ pub(crate) fn read_header(
     let b = match &a {
         Ok(Some((h, _))) => decode_at(h.geometry, h.geometry.slot_size() as u64),
         _ => {
+            // Without slot A's geometry, slot B may be at any of the slot
+            // sizes. A candidate that has the magic but fails a rule is
+            // remembered, so the error names what is wrong with slot B.
             let mut found = Ok(None);
             for bits in MIN_CLUSTER_BITS..=MAX_CLUSTER_BITS {
                 if let Some(g) = Geometry::new(bits) {
@@ -86,7 +95,12 @@ pub(crate) fn read_header(
                             break;
                         }
                         Err(HeaderError::Io(e)) => return Err(HeaderError::Io(e)),
-                        _ => {}
+                        Err(HeaderError::Format(FormatError::HeaderMagic { .. })) | Ok(None) => {}
+                        Err(e) => {
+                            if matches!(found, Ok(None)) {
+                                found = Err(e);
+                            }
+                        }
                     }
                 }
             }
