@@ -1000,8 +1000,28 @@ impl Image {
                 self.header.virtual_size
             )));
         }
+        let old_size = self.header.virtual_size;
         self.header.virtual_size = new_size;
         self.meta_dirty = true;
+        // The new range reads as zeros in every view, as qemu does, even
+        // where a longer base has data: layer 0 (below every view) gets zero
+        // pages there, committed by the same barrier as the new size. Should
+        // a write fail, the size stays staged so that the entries written so
+        // far stay inside it.
+        if self
+            .base
+            .as_ref()
+            .is_some_and(|b| b.has_data(old_size, new_size - old_size))
+        {
+            let cs = self.g.cluster_size();
+            let zeros = vec![0u8; cs as usize];
+            for vcn in old_size / cs..new_size / cs {
+                let off = vcn * cs;
+                if self.base.as_ref().is_some_and(|b| b.has_data(off, cs)) {
+                    self.write_layer(0, &zeros, off)?;
+                }
+            }
+        }
         self.flush()
     }
 
