@@ -1,0 +1,211 @@
+//! Interop with QEMU's tools (Debian's `qemu-utils`) as the reference:
+//! qemu-img reads what `pcow-img convert -O raw` writes, and qemu-img's own
+//! raw output round-trips through `pcow-img convert -O pcow`.
+//!
+//! Without `qemu-img` these tests say so on stderr and return; under CI
+//! (`CI` set) a missing `qemu-img` is a failure, since `scripts/test.sh`
+//! installs it.
+
+use std::path::Path;
+use std::process::Command;
+
+const PCOW_IMG: &str = env!("CARGO_BIN_EXE_pcow-img");
+
+fn have_qemu() -> bool {
+    let found = Command::new("qemu-img")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "qemu-img is missing on CI (scripts/test.sh installs qemu-utils)"
+        );
+        eprintln!("SKIPPED: qemu-img not installed (apt-get install qemu-utils)");
+    }
+    found
+}
+
+fn run(dir: &Path, prog: &str, args: &[&str]) -> String {
+    let out = Command::new(prog)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{prog} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn pcow(dir: &Path, args: &[&str]) -> String {
+    run(dir, PCOW_IMG, args)
+}
+
+fn qemu(dir: &Path, args: &[&str]) -> String {
+    run(dir, "qemu-img", args)
+}
+
+fn same_bytes(dir: &Path, a: &str, b: &str) {
+    let (x, y) = (
+        std::fs::read(dir.join(a)).unwrap(),
+        std::fs::read(dir.join(b)).unwrap(),
+    );
+    assert_eq!(x.len(), y.len(), "{a} and {b} differ in length");
+    if let Some(i) = x.iter().zip(&y).position(|(p, q)| p != q) {
+        panic!("{a} and {b} differ at byte {i}");
+    }
+}
+
+#[test]
+fn qemu_img_reads_what_convert_to_raw_writes() {
+    if !have_qemu() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    // A chain with a raw base, a snapshot and partial-page writes.
+    std::fs::write(
+        p.join("base.raw"),
+        (0..3u32 << 20).map(|i| (i % 253) as u8).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    pcow(
+        p,
+        &[
+            "create", "-c", "16k", "-b", "base.raw", "-F", "raw", "top.pcow", "4M",
+        ],
+    );
+    pcow(
+        p,
+        &[
+            "io",
+            "top.pcow",
+            "-c",
+            "write -P 0x11 4096 10000",
+            "-c",
+            "write -P 0x22 3M 100k",
+        ],
+    );
+    pcow(p, &["snapshot", "-c", "s", "top.pcow"]);
+    pcow(
+        p,
+        &[
+            "io",
+            "top.pcow",
+            "-c",
+            "write -P 0x33 5000 3",
+            "-c",
+            "write -P 0 1M 64k",
+        ],
+    );
+    pcow(p, &["convert", "-O", "raw", "top.pcow", "out.raw"]);
+    // qemu-img sees a raw image of the virtual size...
+    let info: serde_json::Value = serde_json::from_str(&qemu(
+        p,
+        &["info", "--output", "json", "-f", "raw", "out.raw"],
+    ))
+    .unwrap();
+    assert_eq!(info["virtual-size"], 4 << 20);
+    // ...whose bytes, read through QEMU's block layer into qcow2 and back,
+    // are what pcow-img's own reader (and the expected pattern) says.
+    qemu(
+        p,
+        &["convert", "-f", "raw", "-O", "qcow2", "out.raw", "q.qcow2"],
+    );
+    qemu(
+        p,
+        &["compare", "-f", "raw", "-F", "qcow2", "out.raw", "q.qcow2"],
+    );
+    qemu(
+        p,
+        &["convert", "-f", "qcow2", "-O", "raw", "q.qcow2", "back.raw"],
+    );
+    same_bytes(p, "out.raw", "back.raw");
+    let bytes = std::fs::read(p.join("out.raw")).unwrap();
+    assert_eq!(&bytes[4096..4096 + 900], &[0x11; 900][..]);
+    assert_eq!(&bytes[5000..5003], &[0x33; 3][..]);
+    assert_eq!(&bytes[(1 << 20)..(1 << 20) + 65536], &[0u8; 65536][..]);
+    assert_eq!(bytes[2 << 20], ((2u32 << 20) % 253) as u8);
+    assert_eq!(&bytes[3 << 20..(3 << 20) + 102400], &[0x22; 102400][..]);
+    assert!(
+        bytes[(3 << 20) + 102400..].iter().all(|&b| b == 0),
+        "past the raw base: zeros"
+    );
+    // The snapshot's content too.
+    pcow(p, &["rollback", "top.pcow", "s"]);
+    pcow(p, &["convert", "-O", "raw", "top.pcow", "snap.raw"]);
+    qemu(
+        p,
+        &[
+            "convert",
+            "-f",
+            "raw",
+            "-O",
+            "raw",
+            "snap.raw",
+            "snap-q.raw",
+        ],
+    );
+    same_bytes(p, "snap.raw", "snap-q.raw");
+    let snap = std::fs::read(p.join("snap.raw")).unwrap();
+    assert_eq!(&snap[5000..5003], &[0x11; 3][..]);
+    assert_eq!(snap[1 << 20], ((1u32 << 20) % 253) as u8);
+}
+
+#[test]
+fn qemu_raw_output_round_trips_through_pcow() {
+    if !have_qemu() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    // A sparse qcow2 written by QEMU's own tools.
+    qemu(p, &["create", "-f", "qcow2", "src.qcow2", "6M"]);
+    run(
+        p,
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            "write -P 0xab 0 64k",
+            "-c",
+            "write -P 0xcd 1000000 5000",
+            "-c",
+            "write -P 0xef 5M 1M",
+            "src.qcow2",
+        ],
+    );
+    qemu(
+        p,
+        &["convert", "-f", "qcow2", "-O", "raw", "src.qcow2", "q.raw"],
+    );
+    for cluster in ["4k", "64k", "2M"] {
+        let img = format!("p-{cluster}.pcow");
+        let back = format!("back-{cluster}.raw");
+        pcow(
+            p,
+            &[
+                "convert", "-f", "raw", "-O", "pcow", "-c", cluster, "q.raw", &img,
+            ],
+        );
+        pcow(p, &["check", &img]);
+        pcow(p, &["convert", "-O", "raw", &img, &back]);
+        same_bytes(p, "q.raw", &back);
+        // And qemu-img agrees with the original qcow2.
+        qemu(
+            p,
+            &["compare", "-f", "raw", "-F", "qcow2", &back, "src.qcow2"],
+        );
+    }
+    // Thin: the 64 KiB-cluster image holds about what was written.
+    let len = std::fs::metadata(p.join("p-64k.pcow")).unwrap().len();
+    assert!(
+        len < (3 << 20),
+        "p-64k.pcow is {len} bytes for 1.1 MiB of data"
+    );
+}
