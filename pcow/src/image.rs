@@ -951,6 +951,125 @@ impl Image {
         self.data_dirty = true;
     }
 
+    /// The files of the chain, by depth: 0 is this image, 1 its base, ...
+    /// (what a device maps; the depth is the one [`ClusterSource`] names).
+    pub fn chain_files(&self) -> Vec<&File> {
+        let mut files: Vec<&File> = self.storage.file().into_iter().collect();
+        let mut cur = self.base.as_deref();
+        while let Some(b) = cur {
+            match b {
+                Backing::Pcow(i) => {
+                    files.extend(i.storage.file());
+                    cur = i.base.as_deref();
+                }
+                Backing::Raw(r) => {
+                    files.push(r.file());
+                    cur = None;
+                }
+            }
+        }
+        files
+    }
+
+    /// Where each 4 KiB page of virtual cluster `vcn` of the image's view
+    /// lives, in the chain's files (see [`Image::chain_files`]).
+    pub fn cluster_source(&self, vcn: u64) -> ClusterSource {
+        let cs = self.g.cluster_size();
+        let active = self.header.active_layer;
+        if let Some(&e) = self.layers[active as usize].map.get(&vcn) {
+            if (0..self.g.pages()).all(|p| self.bit(e, p)) {
+                return ClusterSource::Active {
+                    offset: self.g.offset(self.entries[e as usize].cluster),
+                };
+            }
+        }
+        let mut pages = Vec::with_capacity(self.g.pages());
+        for page in 0..self.g.pages() {
+            pages.push(self.page_location(Some(active), vcn * cs + page as u64 * PAGE_SIZE, 0));
+        }
+        if pages.iter().all(|p| *p == PageLocation::Zero) {
+            return ClusterSource::Hole;
+        }
+        if let PageLocation::File { depth, offset } = pages[0] {
+            let run = pages.iter().enumerate().all(|(i, p)| {
+                *p == PageLocation::File {
+                    depth,
+                    offset: offset + i as u64 * PAGE_SIZE,
+                }
+            });
+            if run {
+                return ClusterSource::ReadOnly { depth, offset };
+            }
+        }
+        ClusterSource::Mixed(pages)
+    }
+
+    /// Where the page at virtual offset `off` of `layer`'s view lives;
+    /// `depth` is this image's depth in the chain.
+    fn page_location(&self, layer: Option<u32>, off: u64, depth: usize) -> PageLocation {
+        let cs = self.g.cluster_size();
+        if off >= self.header.virtual_size {
+            return PageLocation::Zero;
+        }
+        let (vcn, in_cluster) = (off / cs, off % cs);
+        match self.page_src(layer, vcn, (in_cluster / PAGE_SIZE) as usize) {
+            PageSrc::Local(c) => PageLocation::File {
+                depth,
+                offset: self.g.offset(c) + in_cluster,
+            },
+            PageSrc::Zero => PageLocation::Zero,
+            PageSrc::Base => match self.base.as_deref() {
+                Some(Backing::Pcow(i)) => i.page_location(Some(i.active_layer()), off, depth + 1),
+                // A page a raw base only partly covers reads its tail as
+                // zeros, which a file mapping would not: only whole pages
+                // map.
+                Some(Backing::Raw(r)) if off + PAGE_SIZE <= r.len() => PageLocation::File {
+                    depth: depth + 1,
+                    offset: off,
+                },
+                _ => PageLocation::Zero,
+            },
+        }
+    }
+
+    /// Makes every cluster of the active layer whole: pages it does not
+    /// hold are copied from the view below and recorded, so that a device
+    /// can map each active cluster shared as one piece. The view does not
+    /// change; durable at the next barrier. Returns the clusters completed.
+    pub fn complete_active_clusters(&mut self) -> Result<u64> {
+        if !self.writable {
+            return Err(Error::ReadOnly {
+                path: self.path.clone(),
+            });
+        }
+        let active = self.header.active_layer;
+        let parent = self.layers[active as usize].parent;
+        let pages = self.g.pages();
+        let mut partial: Vec<(u64, u32)> = self.layers[active as usize]
+            .map
+            .iter()
+            .filter(|(_, &e)| !(0..pages).all(|p| self.bit(e, p)))
+            .map(|(&v, &e)| (v, e))
+            .collect();
+        partial.sort_unstable();
+        let cs = self.g.cluster_size();
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        for &(vcn, e) in &partial {
+            let base = self.g.offset(self.entries[e as usize].cluster);
+            let missing: Vec<usize> = (0..pages).filter(|&p| !self.bit(e, p)).collect();
+            for p in missing {
+                let off = p as u64 * PAGE_SIZE;
+                self.read_view(parent, &mut page, vcn * cs + off)?;
+                self.storage
+                    .write_at(&page, base + off)
+                    .map_err(io_err(&self.path, "writing data"))?;
+            }
+            self.set_bits(e, 0, pages - 1);
+            self.data_dirty = true;
+        }
+        Ok(partial.len() as u64)
+    }
+
     /// Drops every layer, snapshot and data cluster: the image becomes
     /// empty over its base. Committed at once; the old clusters become
     /// uncommitted space, truncated at close.
@@ -1123,6 +1242,43 @@ pub(crate) fn merge_extents(a: Vec<Extent>, b: Vec<Extent>) -> Vec<Extent> {
         }
     }
     out
+}
+
+/// Where a virtual cluster's bytes live, for a device that maps them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterSource {
+    /// A whole cluster of the active layer at this offset of the top file:
+    /// map it shared, guest writes go straight to the image.
+    Active {
+        /// Byte offset in the top file.
+        offset: u64,
+    },
+    /// A whole cluster of read-only data, contiguous in one file of the
+    /// chain: map it private (the host kernel copies a page on write).
+    ReadOnly {
+        /// Index into [`Image::chain_files`].
+        depth: usize,
+        /// Byte offset in that file.
+        offset: u64,
+    },
+    /// Nothing in the chain holds any of it: reads are zeros.
+    Hole,
+    /// Pages from several places (partial copies, a short raw base).
+    Mixed(Vec<PageLocation>),
+}
+
+/// Where one 4 KiB page lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageLocation {
+    /// Reads as zeros.
+    Zero,
+    /// In a file of the chain.
+    File {
+        /// Index into [`Image::chain_files`].
+        depth: usize,
+        /// Byte offset in that file.
+        offset: u64,
+    },
 }
 
 /// The active layer's cluster for a virtual cluster, as a device sees it.

@@ -38,6 +38,6 @@ pub use chain::{open_base_writable, resolve_base, Backing, RawImage};
 pub use error::{Error, Result};
 pub use format::{BaseFormat, BaseRef, FormatError, Geometry, Header};
 pub use image::{
-    is_pcow, ActiveCluster, CreateOptions, Extent, Image, OpenOptions, SnapshotInfo,
-    DEFAULT_CLUSTER_SIZE,
+    is_pcow, ActiveCluster, ClusterSource, CreateOptions, Extent, Image, OpenOptions, PageLocation,
+    SnapshotInfo, DEFAULT_CLUSTER_SIZE,
 };

@@ -253,3 +253,80 @@ fn device_api_allocates_records_pages_and_survives_reopen() {
     assert_eq!(&all[5 * 65536 + 100..5 * 65536 + 110], &[9u8; 10][..]);
     clean(&p);
 }
+
+#[test]
+fn cluster_sources_for_a_device_and_completing_active_clusters() {
+    use pcow::{ClusterSource, PageLocation};
+    let d = tempfile::tempdir().unwrap();
+    let (base, p) = (d.path().join("base.raw"), d.path().join("top.pcow"));
+    // A raw base of 2.5 clusters: the third cluster's tail is past its end.
+    std::fs::write(&base, vec![3u8; 65536 * 2 + 6000]).unwrap();
+    let mut img = create(&p, MIB, 65536, Some("base.raw"));
+    assert_eq!(img.chain_files().len(), 2);
+    img.write_at(&[1; 65536], 3 * 65536).unwrap(); // hole below: whole
+    img.write_at(&[2; 100], 10).unwrap(); // over the base: page 0 only
+    assert_eq!(
+        img.cluster_source(3),
+        ClusterSource::Active { offset: 2 * 65536 }
+    );
+    assert_eq!(
+        img.cluster_source(1),
+        ClusterSource::ReadOnly {
+            depth: 1,
+            offset: 65536
+        }
+    );
+    assert_eq!(img.cluster_source(9), ClusterSource::Hole);
+    let ClusterSource::Mixed(pages) = img.cluster_source(0) else {
+        panic!("partial active cluster is mixed");
+    };
+    assert!(matches!(pages[0], PageLocation::File { depth: 0, .. }));
+    assert_eq!(
+        pages[1],
+        PageLocation::File {
+            depth: 1,
+            offset: 4096
+        }
+    );
+    let ClusterSource::Mixed(pages) = img.cluster_source(2) else {
+        panic!("short raw base is mixed");
+    };
+    assert_eq!(
+        pages[0],
+        PageLocation::File {
+            depth: 1,
+            offset: 2 * 65536
+        }
+    );
+    assert_eq!(
+        pages[1],
+        PageLocation::Zero,
+        "a partly covered page is not mapped"
+    );
+    // After a snapshot the whole cluster 3 is read-only history.
+    img.snapshot_create("s").unwrap();
+    assert_eq!(
+        img.cluster_source(3),
+        ClusterSource::ReadOnly {
+            depth: 0,
+            offset: 2 * 65536
+        }
+    );
+    img.snapshot_apply("s").unwrap();
+    let before = {
+        let mut b = vec![0u8; MIB as usize];
+        img.read_at(&mut b, 0).unwrap();
+        b
+    };
+    img.write_at(&[4; 10], 65536 + 5).unwrap();
+    assert_eq!(img.complete_active_clusters().unwrap(), 1);
+    assert!(matches!(
+        img.cluster_source(1),
+        ClusterSource::Active { .. }
+    ));
+    img.close().unwrap();
+    let mut after = read_all(&p);
+    after[65536 + 5..65536 + 15].copy_from_slice(&before[65536 + 5..65536 + 15]);
+    assert_eq!(after, before);
+    clean(&p);
+}

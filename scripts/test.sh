@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every test of the project: formatting, lints, and `cargo test --workspace`
+# (unit, property, crash-injection, integration and doc tests).
+# On a fresh Debian 12 machine it first installs what the tests need
+# (qemu-img, the reference tool the tests compare against).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+current="start"
+step() { current=$*; printf '\n==> %s\n' "$*"; }
+die() { printf 'test.sh: error: %s\n' "$*" >&2; exit 1; }
+on_exit() {
+    local rc=$?
+    [ "$rc" -eq 0 ] || printf '\ntest.sh: FAILED (exit %d) at: %s\n' "$rc" "$current" >&2
+}
+trap on_exit EXIT
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then
+        "$@"
+    elif command -v sudo >/dev/null 2>&1; then
+        sudo "$@"
+    else
+        die "need root (or sudo) to run: $*"
+    fi
+}
+
+step "checking prerequisites"
+command -v cargo >/dev/null 2>&1 \
+    || die "cargo not found; install the Rust toolchain (https://rustup.rs), rust-version 1.89 or newer"
+if ! command -v qemu-img >/dev/null 2>&1; then
+    step "qemu-img missing: installing qemu-utils"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y qemu-utils
+fi
+echo "cargo:    $(cargo --version)"
+echo "qemu-img: $(qemu-img --version | head -n1)"
+
+step "cargo fmt --all -- --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo test --workspace --no-fail-fast (every test binary runs; any failure fails)"
+cargo test --workspace --no-fail-fast
+
+step "all tests passed"
