@@ -1020,10 +1020,10 @@ impl Image {
             PageSrc::Zero => PageLocation::Zero,
             PageSrc::Base => match self.base.as_deref() {
                 Some(Backing::Pcow(i)) => i.page_location(Some(i.active_layer()), off, depth + 1),
-                // A page a raw base only partly covers reads its tail as
-                // zeros, which a file mapping would not: only whole pages
-                // map.
-                Some(Backing::Raw(r)) if off + PAGE_SIZE <= r.len() => PageLocation::File {
+                // A page a raw base only partly covers maps too: the kernel
+                // zero-fills a mapping past the end of its file, which is
+                // what reads return there.
+                Some(Backing::Raw(r)) if off < r.len() => PageLocation::File {
                     depth: depth + 1,
                     offset: off,
                 },

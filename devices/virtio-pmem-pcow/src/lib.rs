@@ -5,14 +5,33 @@
 //! [`device::FlushBackend`] and exposes the config space ([`device`]). Raw
 //! files are mapped as upstream Cloud Hypervisor does ([`raw`]).
 //!
-//! Not here yet: the pcow region and its image monitor (userfaultfd
-//! expansion, copy-on-write harvest, barrier, live snapshot and overlay).
+//! A pcow chain becomes one host region ([`region`]): writable clusters
+//! mapped shared, read-only layers private, holes served by the
+//! userfaultfd [`monitor`] (an fd for the VMM's epoll loop). The [`barrier`]
+//! moves copy-on-write pages into the image and commits it; [`PcowRegion`]
+//! ([`pcow_device`]) is what a VMM holds (FLUSH, live snapshot, status).
+//! [`pagemap`] wraps `PAGEMAP_SCAN`.
+//!
+//! Not here yet: live overlay (switch to a new top file), the
+//! pre-allocation worker's eventfd (the image's pool is refilled inside
+//! the write fault that runs out of it), per-4-KiB harvest (the barrier copies
+//! whole clusters), and write tracking whose cost follows the pages
+//! written (the barrier scans the whole region's page tables).
 #![warn(missing_docs)]
 
+pub mod barrier;
 pub mod device;
+pub mod monitor;
+pub mod pagemap;
+pub mod pcow_device;
 pub mod raw;
+pub mod region;
 pub mod request;
 
+pub use barrier::{BarrierError, BarrierStats, Quiesce, WriteGate};
 pub use device::{FlushBackend, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE};
+pub use monitor::{FaultCounters, Monitor, MonitorError};
+pub use pcow_device::{PcowRegion, Status};
 pub use raw::{RawError, RawRegion};
+pub use region::{RegionError, RegionOptions};
 pub use request::{parse, Request, RequestError, RequestType};

@@ -1,0 +1,438 @@
+//! The userfaultfd monitor: an fd-driven state machine for the VMM's epoll
+//! loop. [`Monitor::fd`] is registered for reading; [`Monitor::handle_ready`]
+//! drains the pending faults and resolves each:
+//!
+//! - a write fault in a hole cluster gets the active layer's cluster
+//!   (allocated from the image's pool), mapped `MAP_FIXED|MAP_SHARED` over
+//!   the cluster, then `UFFDIO_WAKE`: the waiter retries on the file page.
+//!   Nothing is lost by the remap: a hole cluster has no present page (any
+//!   access to it faults and waits for us), so the mapping replaced is empty.
+//! - a read fault in a hole gets `UFFDIO_ZEROPAGE` over the whole cluster:
+//!   nothing is allocated. Later writes there land in private anonymous
+//!   pages without a fault; the barrier moves them into the image.
+//! - a fault in a cluster already resolved (several threads faulted it, or
+//!   a queued event raced a resolution) only wakes: one allocation per
+//!   cluster however many threads fault it.
+//!
+//! userfaultfd is driven with raw `libc` ioctls (structures from the
+//! kernel's `include/uapi/linux/userfaultfd.h`) rather than the
+//! `userfaultfd` crate, whose bindgen build needs libclang on every machine:
+//! we need five ioctls and one message layout.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+
+use crate::region::{ClusterState, RegionState};
+
+const UFFD_API: u64 = 0xAA;
+const UFFDIO: libc::c_ulong = 0xAA;
+const IOC_WRITE: libc::c_ulong = 1;
+const IOC_READ: libc::c_ulong = 2;
+
+const fn ioc(dir: libc::c_ulong, nr: libc::c_ulong, size: usize) -> libc::c_ulong {
+    (dir << 30) | ((size as libc::c_ulong) << 16) | (UFFDIO << 8) | nr
+}
+
+/// `struct uffdio_api`.
+#[repr(C)]
+#[derive(Default)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+/// `struct uffdio_range`.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct UffdioRange {
+    start: u64,
+    len: u64,
+}
+
+/// `struct uffdio_register`.
+#[repr(C)]
+#[derive(Default)]
+struct UffdioRegister {
+    range: UffdioRange,
+    mode: u64,
+    ioctls: u64,
+}
+
+/// `struct uffdio_zeropage`.
+#[repr(C)]
+#[derive(Default)]
+struct UffdioZeropage {
+    range: UffdioRange,
+    mode: u64,
+    zeropage: i64,
+}
+
+const UFFDIO_API: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
+const UFFDIO_REGISTER: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
+const UFFDIO_WAKE: libc::c_ulong = ioc(IOC_READ, 0x02, size_of::<UffdioRange>());
+const UFFDIO_ZEROPAGE: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x04, size_of::<UffdioZeropage>());
+/// `USERFAULTFD_IOC_NEW` on `/dev/userfaultfd`: `_IO(0xAA, 0x00)`.
+const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
+const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
+const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
+const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1;
+/// `sizeof(struct uffd_msg)` (packed).
+const MSG_SIZE: usize = 32;
+
+/// Errors of the userfaultfd and of fault resolution.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum MonitorError {
+    #[error(
+        "creating a userfaultfd (as non-root, set vm.unprivileged_userfaultfd=1 \
+         or grant access to /dev/userfaultfd)"
+    )]
+    Create(#[source] std::io::Error),
+    #[error("UFFDIO_API handshake")]
+    Api(#[source] std::io::Error),
+    #[error("{op} on {start:#x}+{len:#x}")]
+    Ioctl {
+        op: &'static str,
+        start: u64,
+        len: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("reading userfaultfd events")]
+    Read(#[source] std::io::Error),
+    #[error("fault at {addr:#x} outside the region")]
+    OutsideRegion { addr: u64 },
+    #[error("region state lock poisoned by a panic")]
+    Poisoned,
+    #[error("fault at {addr:#x} left unresolved")]
+    Unresolved {
+        addr: u64,
+        #[source]
+        source: Box<MonitorError>,
+    },
+}
+
+/// An open userfaultfd (non-blocking, close-on-exec); closed on drop,
+/// which also drops every registration made through it.
+#[derive(Debug)]
+pub struct Uffd {
+    fd: OwnedFd,
+}
+
+/// What `UFFDIO_ZEROPAGE` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ZeroOutcome {
+    /// Every page of the range now maps the zero page.
+    Mapped,
+    /// Some page was already present (`EEXIST`): the range is resolved.
+    Exists,
+}
+
+impl Uffd {
+    /// Opens a userfaultfd that also sees faults taken in kernel mode (KVM
+    /// accesses guest memory through `get_user_pages`).
+    pub fn new() -> Result<Uffd, MonitorError> {
+        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        // SAFETY: the syscall takes one integer argument and returns a new
+        // fd or -1; no memory is passed.
+        let r = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+        let fd = if r >= 0 {
+            r as RawFd
+        } else {
+            let e = std::io::Error::last_os_error();
+            Self::from_dev(flags).map_err(|_| MonitorError::Create(e))?
+        };
+        // SAFETY: `fd` was just returned by the kernel and is owned by no
+        // one else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let uffd = Uffd { fd };
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            ..UffdioApi::default()
+        };
+        // SAFETY: `api` is a valid `uffdio_api` the kernel reads and writes
+        // back for the duration of the call.
+        let r = unsafe { libc::ioctl(uffd.fd.as_raw_fd(), UFFDIO_API as _, &mut api) };
+        if r < 0 {
+            return Err(MonitorError::Api(std::io::Error::last_os_error()));
+        }
+        Ok(uffd)
+    }
+
+    /// `/dev/userfaultfd` (Linux 6.1+), for users the sysctl does not allow.
+    fn from_dev(flags: libc::c_int) -> std::io::Result<RawFd> {
+        let dev = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/userfaultfd")?;
+        // SAFETY: USERFAULTFD_IOC_NEW takes the flags as an integer argument
+        // and returns a new fd; `dev` is open for the call.
+        let r = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW as _, flags) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(r)
+    }
+
+    fn ioctl_err(op: &'static str, start: u64, len: u64) -> MonitorError {
+        MonitorError::Ioctl {
+            op,
+            start,
+            len,
+            source: std::io::Error::last_os_error(),
+        }
+    }
+
+    /// Registers `[start, start + len)` (anonymous memory) for missing-page
+    /// faults.
+    pub(crate) fn register_missing(&self, start: u64, len: u64) -> Result<(), MonitorError> {
+        let mut reg = UffdioRegister {
+            range: UffdioRange { start, len },
+            mode: UFFDIO_REGISTER_MODE_MISSING,
+            ioctls: 0,
+        };
+        // SAFETY: `reg` is a valid `uffdio_register`; registering changes
+        // only how faults in the range are served, not its content.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER as _, &mut reg) };
+        if r < 0 {
+            return Err(Self::ioctl_err("UFFDIO_REGISTER", start, len));
+        }
+        Ok(())
+    }
+
+    /// Wakes the threads waiting on faults in the range.
+    pub(crate) fn wake(&self, start: u64, len: u64) -> Result<(), MonitorError> {
+        let mut range = UffdioRange { start, len };
+        // SAFETY: `range` is a valid `uffdio_range`; waking touches no memory.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE as _, &mut range) };
+        if r < 0 {
+            return Err(Self::ioctl_err("UFFDIO_WAKE", start, len));
+        }
+        Ok(())
+    }
+
+    /// Maps the zero page over every missing page of the range and wakes
+    /// the waiters.
+    pub(crate) fn zeropage(&self, start: u64, len: u64) -> Result<ZeroOutcome, MonitorError> {
+        for _ in 0..16 {
+            let mut z = UffdioZeropage {
+                range: UffdioRange { start, len },
+                ..UffdioZeropage::default()
+            };
+            // SAFETY: `z` is a valid `uffdio_zeropage`; the kernel only
+            // fills missing pages of a registered range with the zero page
+            // (it never replaces a present page).
+            let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE as _, &mut z) };
+            if r == 0 {
+                return Ok(ZeroOutcome::Mapped);
+            }
+            match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::EEXIST) => {
+                    // Part of the range was present: the rest may still be
+                    // missing with waiters; fill it page by page.
+                    self.zeropage_each(start, len)?;
+                    return Ok(ZeroOutcome::Exists);
+                }
+                Some(libc::EAGAIN) => continue,
+                _ => return Err(Self::ioctl_err("UFFDIO_ZEROPAGE", start, len)),
+            }
+        }
+        Err(Self::ioctl_err("UFFDIO_ZEROPAGE", start, len))
+    }
+
+    fn zeropage_each(&self, start: u64, len: u64) -> Result<(), MonitorError> {
+        let page = crate::pagemap::PAGE_SIZE;
+        let mut a = start;
+        while a < start + len {
+            let mut z = UffdioZeropage {
+                range: UffdioRange {
+                    start: a,
+                    len: page,
+                },
+                ..UffdioZeropage::default()
+            };
+            // SAFETY: as in `zeropage`, for one page.
+            let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE as _, &mut z) };
+            if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+                return Err(Self::ioctl_err("UFFDIO_ZEROPAGE", a, page));
+            }
+            a += page;
+        }
+        self.wake(start, len)
+    }
+
+    /// Reads pending messages into `buf` (a multiple of 32 bytes); returns
+    /// the number of messages, 0 when none is pending.
+    fn read_msgs(&self, buf: &mut [u8]) -> Result<usize, MonitorError> {
+        loop {
+            // SAFETY: `buf` is writable for its whole length for the call.
+            let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n >= 0 {
+                return Ok(n as usize / MSG_SIZE);
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) => return Ok(0),
+                Some(libc::EINTR) => continue,
+                _ => return Err(MonitorError::Read(e)),
+            }
+        }
+    }
+}
+
+impl AsRawFd for Uffd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// Counters of the monitor (cumulative).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FaultCounters {
+    /// Write faults that mapped a cluster of the image.
+    pub write_faults: u64,
+    /// Read faults that mapped zeros.
+    pub read_faults: u64,
+    /// Faults in clusters already resolved (woken only).
+    pub wake_only: u64,
+    /// Write faults resolved with zeros because mapping the cluster failed
+    /// (the write is then harvested by the next barrier).
+    pub fallbacks: u64,
+}
+
+/// The fd-driven half of a pcow region, owned by the VMM's event loop.
+///
+/// Holds the region's shared state: the region's address space stays
+/// reserved while the monitor lives, so a late fault can never map
+/// into memory that was given back.
+pub struct Monitor {
+    pub(crate) state: Arc<Mutex<RegionState>>,
+    pub(crate) uffd: Arc<Uffd>,
+}
+
+impl std::fmt::Debug for Monitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Monitor")
+            .field("fd", &self.uffd.as_raw_fd())
+            .finish()
+    }
+}
+
+impl Monitor {
+    /// The userfaultfd to poll for reading (non-blocking).
+    pub fn fd(&self) -> RawFd {
+        self.uffd.as_raw_fd()
+    }
+
+    /// Drains and resolves every pending fault; returns how many were
+    /// handled. Call when [`Monitor::fd`] is readable. The first error is
+    /// returned after every event read was tried (an event is never left
+    /// half-done: a fault that cannot be mapped gets zeros).
+    pub fn handle_ready(&self) -> Result<usize, MonitorError> {
+        let mut buf = [0u8; MSG_SIZE * 32];
+        let mut handled = 0;
+        let mut first_err = None;
+        loop {
+            let n = self.uffd.read_msgs(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            let mut st = self.state.lock().map_err(|_| MonitorError::Poisoned)?;
+            for m in buf[..n * MSG_SIZE].chunks_exact(MSG_SIZE) {
+                if m[0] != UFFD_EVENT_PAGEFAULT {
+                    continue;
+                }
+                let word = |at: usize| {
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(&m[at..at + 8]);
+                    u64::from_ne_bytes(w)
+                };
+                let (flags, addr) = (word(8), word(16));
+                handled += 1;
+                if let Err(e) = st.resolve_fault(addr, flags & UFFD_PAGEFAULT_FLAG_WRITE != 0) {
+                    log::error!("userfaultfd: {e}");
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(handled),
+        }
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> Result<FaultCounters, MonitorError> {
+        Ok(self
+            .state
+            .lock()
+            .map_err(|_| MonitorError::Poisoned)?
+            .faults)
+    }
+}
+
+impl RegionState {
+    /// Resolves one fault at `addr`.
+    pub(crate) fn resolve_fault(&mut self, addr: u64, write: bool) -> Result<(), MonitorError> {
+        let base = self.mapping.base();
+        let cs = self.cs;
+        if addr < base || addr >= base + self.mapping.len() as u64 {
+            return Err(MonitorError::OutsideRegion { addr });
+        }
+        let vcn = (addr - base) / cs;
+        let start = base + vcn * cs;
+        match self.clusters[vcn as usize] {
+            ClusterState::Hole if write => {
+                match self.map_fresh(vcn) {
+                    Ok(()) => {
+                        self.clusters[vcn as usize] = ClusterState::Shared;
+                        self.faults.write_faults += 1;
+                        self.uffd.wake(start, cs)
+                    }
+                    Err(e) => {
+                        // Zeros keep the guest running; its write lands in
+                        // a private page that the next barrier moves into
+                        // the image (or reports the same error).
+                        if self.faults.fallbacks.is_power_of_two() {
+                            log::warn!("cluster {vcn}: mapping failed, zeros instead: {e}");
+                        }
+                        self.faults.fallbacks += 1;
+                        self.uffd
+                            .zeropage(start, cs)
+                            .map_err(|z| MonitorError::Unresolved {
+                                addr,
+                                source: Box::new(z),
+                            })?;
+                        self.clusters[vcn as usize] = ClusterState::Zero;
+                        Ok(())
+                    }
+                }
+            }
+            ClusterState::Hole => {
+                self.uffd.zeropage(start, cs)?;
+                self.clusters[vcn as usize] = ClusterState::Zero;
+                self.faults.read_faults += 1;
+                Ok(())
+            }
+            _ => {
+                self.faults.wake_only += 1;
+                self.uffd.wake(start, cs)
+            }
+        }
+    }
+
+    /// Allocates the active cluster for hole `vcn` and maps it shared.
+    fn map_fresh(&mut self, vcn: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let ac = self.image.active_cluster(vcn)?;
+        if !ac.whole {
+            return Err(
+                format!("cluster {vcn} is a hole but the image's cluster is partial").into(),
+            );
+        }
+        let fd = self.top_fd()?;
+        self.mapping
+            .map_file(vcn * self.cs, self.cs, fd, ac.file_offset, true)?;
+        Ok(())
+    }
+}

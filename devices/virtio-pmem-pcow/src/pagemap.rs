@@ -1,0 +1,236 @@
+//! Finding the pages of a range that a writer made private: a thin wrapper
+//! over the `PAGEMAP_SCAN` ioctl on `/proc/self/pagemap` (Linux 6.7+), with
+//! a fallback that reads the pagemap entries one by one.
+//!
+//! A page is "written" when it is present (or swapped out), not backed by a
+//! file page and not the shared zero page: exactly the pages the host kernel
+//! copied on a write into a `MAP_PRIVATE` file mapping, or allocated on a
+//! write into anonymous memory. The structures below are those of the
+//! kernel's `include/uapi/linux/fs.h`.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+
+/// Page size the scanner works in.
+pub const PAGE_SIZE: u64 = 4096;
+
+const PAGE_IS_FILE: u64 = 1 << 2;
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
+const PAGE_IS_PFNZERO: u64 = 1 << 5;
+
+/// `struct page_region`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+/// `struct pm_scan_arg`.
+#[repr(C)]
+#[derive(Debug, Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+/// `_IOWR('f', 16, struct pm_scan_arg)`.
+const PAGEMAP_SCAN: libc::c_ulong = (3 << 30)
+    | ((std::mem::size_of::<PmScanArg>() as libc::c_ulong) << 16)
+    | ((b'f' as libc::c_ulong) << 8)
+    | 16;
+
+/// pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst).
+const PM_PRESENT: u64 = 1 << 63;
+const PM_SWAPPED: u64 = 1 << 62;
+const PM_FILE: u64 = 1 << 61;
+
+/// Errors of the scanner.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum PagemapError {
+    #[error("opening /proc/self/pagemap")]
+    Open(#[source] std::io::Error),
+    #[error("PAGEMAP_SCAN over {start:#x}..{end:#x}")]
+    Scan {
+        start: u64,
+        end: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("reading /proc/self/pagemap at {addr:#x}")]
+    Read {
+        addr: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("range {start:#x}..{end:#x} is not page aligned")]
+    Unaligned { start: u64, end: u64 },
+}
+
+/// How the scanner finds written pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScanMethod {
+    /// The `PAGEMAP_SCAN` ioctl: exact (the zero page is told apart).
+    Ioctl,
+    /// Reading pagemap entries: the zero page cannot be told apart from a
+    /// written anonymous page without the PFN, so callers must treat an
+    /// all-zero page over a zero view as unwritten.
+    Read,
+}
+
+/// A handle on `/proc/self/pagemap`.
+#[derive(Debug)]
+pub struct PageScanner {
+    file: File,
+    method: ScanMethod,
+}
+
+impl PageScanner {
+    /// Opens the pagemap; uses the ioctl unless `force_read` (or the
+    /// kernel lacks it, found at the first scan).
+    pub fn new(force_read: bool) -> Result<PageScanner, PagemapError> {
+        let file = File::open("/proc/self/pagemap").map_err(PagemapError::Open)?;
+        Ok(PageScanner {
+            file,
+            method: if force_read {
+                ScanMethod::Read
+            } else {
+                ScanMethod::Ioctl
+            },
+        })
+    }
+
+    /// The method in use.
+    pub fn method(&self) -> ScanMethod {
+        self.method
+    }
+
+    /// Appends to `out` the written page runs `[start, end)` (addresses) in
+    /// `[start, end)`, ascending.
+    ///
+    /// The range must be mapped memory of this process; the scan only
+    /// reads page tables, never the pages.
+    pub fn written(
+        &mut self,
+        start: u64,
+        end: u64,
+        out: &mut Vec<(u64, u64)>,
+    ) -> Result<(), PagemapError> {
+        if !start.is_multiple_of(PAGE_SIZE) || !end.is_multiple_of(PAGE_SIZE) || end < start {
+            return Err(PagemapError::Unaligned { start, end });
+        }
+        if self.method == ScanMethod::Ioctl {
+            match self.scan_ioctl(start, end, out) {
+                Ok(()) => return Ok(()),
+                Err(PagemapError::Scan { source, .. })
+                    if matches!(source.raw_os_error(), Some(libc::ENOTTY | libc::EINVAL)) =>
+                {
+                    log::warn!("PAGEMAP_SCAN unavailable ({source}); reading pagemap instead");
+                    self.method = ScanMethod::Read;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.scan_read(start, end, out)
+    }
+
+    fn scan_ioctl(
+        &self,
+        start: u64,
+        end: u64,
+        out: &mut Vec<(u64, u64)>,
+    ) -> Result<(), PagemapError> {
+        let mut vec = [PageRegion::default(); 256];
+        let mut cur = start;
+        while cur < end {
+            let mut arg = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                start: cur,
+                end,
+                vec: vec.as_mut_ptr() as u64,
+                vec_len: vec.len() as u64,
+                // present or swapped, and neither a file page nor the zero page
+                category_inverted: PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                category_mask: PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
+                ..PmScanArg::default()
+            };
+            // SAFETY: `arg` is a correctly sized `pm_scan_arg` the kernel
+            // reads and updates (`walk_end`); `vec` points to `vec_len`
+            // writable `page_region`s that outlive the call. The scan reads
+            // page tables only and does not touch the scanned memory.
+            let n = unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
+            if n < 0 {
+                return Err(PagemapError::Scan {
+                    start: cur,
+                    end,
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            let n = (n as usize).min(vec.len());
+            for r in &vec[..n] {
+                match out.last_mut() {
+                    Some(last) if last.1 == r.start => last.1 = r.end,
+                    _ => out.push((r.start, r.end)),
+                }
+            }
+            if arg.walk_end <= cur {
+                // No progress would loop forever; the kernel always advances.
+                break;
+            }
+            cur = arg.walk_end;
+        }
+        Ok(())
+    }
+
+    fn scan_read(
+        &self,
+        start: u64,
+        end: u64,
+        out: &mut Vec<(u64, u64)>,
+    ) -> Result<(), PagemapError> {
+        const CHUNK: u64 = 4096;
+        let mut buf = vec![0u8; (CHUNK * 8) as usize];
+        let mut page = start / PAGE_SIZE;
+        let last = end / PAGE_SIZE;
+        while page < last {
+            let n = (last - page).min(CHUNK);
+            let bytes = &mut buf[..(n * 8) as usize];
+            self.file
+                .read_exact_at(bytes, page * 8)
+                .map_err(|source| PagemapError::Read {
+                    addr: page * PAGE_SIZE,
+                    source,
+                })?;
+            for (i, e) in bytes.chunks_exact(8).enumerate() {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(e);
+                let v = u64::from_ne_bytes(w);
+                if v & (PM_PRESENT | PM_SWAPPED) != 0 && v & PM_FILE == 0 {
+                    let a = (page + i as u64) * PAGE_SIZE;
+                    match out.last_mut() {
+                        Some(l) if l.1 == a => l.1 = a + PAGE_SIZE,
+                        _ => out.push((a, a + PAGE_SIZE)),
+                    }
+                }
+            }
+            page += n;
+        }
+        Ok(())
+    }
+}
