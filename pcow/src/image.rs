@@ -971,6 +971,49 @@ impl Image {
         files
     }
 
+    /// The paths of the chain, by depth (as [`Image::chain_files`]).
+    pub fn chain_paths(&self) -> Vec<PathBuf> {
+        let mut paths = vec![self.path.clone()];
+        let mut cur = self.base.as_deref();
+        while let Some(b) = cur {
+            paths.push(b.path().to_owned());
+            cur = match b {
+                Backing::Pcow(i) => i.base.as_deref(),
+                Backing::Raw(_) => None,
+            };
+        }
+        paths
+    }
+
+    /// Byte offset in the top file of the active layer's cluster for
+    /// `vcn`, if the active layer has one.
+    pub fn active_offset(&self, vcn: u64) -> Option<u64> {
+        let e = *self.layers[self.header.active_layer as usize]
+            .map
+            .get(&vcn)?;
+        Some(self.g.offset(self.entries[e as usize].cluster))
+    }
+
+    /// Grows the pre-allocated pool to its full size now, so that later
+    /// allocations (a device's write faults) do not have to. Returns the
+    /// clusters added to the file.
+    pub fn fill_pool(&mut self) -> Result<u64> {
+        if !self.writable {
+            return Err(Error::ReadOnly {
+                path: self.path.clone(),
+            });
+        }
+        let before = self.file_len;
+        let want = self.g.offset(self.next_cluster + self.pool_clusters);
+        if want > self.file_len {
+            self.storage
+                .allocate(self.file_len, want - self.file_len)
+                .map_err(io_err(&self.path, "allocating clusters"))?;
+            self.file_len = want;
+        }
+        Ok((self.file_len - before) >> self.g.cluster_bits())
+    }
+
     /// Where each 4 KiB page of virtual cluster `vcn` of the image's view
     /// lives, in the chain's files (see [`Image::chain_files`]).
     pub fn cluster_source(&self, vcn: u64) -> ClusterSource {

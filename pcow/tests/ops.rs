@@ -335,3 +335,26 @@ fn cluster_sources_for_a_device_and_completing_active_clusters() {
     assert_eq!(after, before);
     clean(&p);
 }
+
+#[test]
+fn pool_fill_active_offset_and_chain_paths() {
+    let d = tempfile::tempdir().unwrap();
+    let (base, p) = (d.path().join("b.raw"), d.path().join("t.pcow"));
+    std::fs::write(&base, [1u8; 4096]).unwrap();
+    let mut img = create(&p, MIB, 65536, Some("b.raw"));
+    assert_eq!(img.chain_paths(), [p.clone(), base.clone()]);
+    img.set_pool_clusters(8);
+    assert_eq!(img.fill_pool().unwrap(), 8);
+    assert_eq!(img.fill_pool().unwrap(), 0, "already full");
+    let len = std::fs::metadata(&p).unwrap().len();
+    assert_eq!(img.active_offset(2), None);
+    let c = img.active_cluster(2).unwrap();
+    assert_eq!(img.active_offset(2), Some(c.file_offset));
+    assert_eq!(
+        std::fs::metadata(&p).unwrap().len(),
+        len,
+        "allocated from the pool"
+    );
+    img.close().unwrap();
+    clean(&p);
+}
