@@ -1014,6 +1014,27 @@ impl Image {
         Ok((self.file_len - before) >> self.g.cluster_bits())
     }
 
+    /// For a pre-allocation worker: the byte range `(offset, len)` of the
+    /// image file to reserve (fallocate) so that the pool holds its full
+    /// size again, or `None` when it does.
+    pub fn pool_shortfall(&self) -> Option<(u64, u64)> {
+        let want = self.g.offset(self.next_cluster + self.pool_clusters);
+        (self.writable && want > self.file_len).then(|| (self.file_len, want - self.file_len))
+    }
+
+    /// Records that a worker reserved `[offset, offset + len)` of the image
+    /// file. Only a range that continues the file exactly is taken (an
+    /// allocation may have grown the file itself meanwhile); returns
+    /// whether it was.
+    pub fn pool_reserved(&mut self, offset: u64, len: u64) -> bool {
+        let whole = len.is_multiple_of(self.g.cluster_size());
+        if offset != self.file_len || !whole {
+            return false;
+        }
+        self.file_len += len;
+        true
+    }
+
     /// Where each 4 KiB page of virtual cluster `vcn` of the image's view
     /// lives, in the chain's files (see [`Image::chain_files`]).
     pub fn cluster_source(&self, vcn: u64) -> ClusterSource {

@@ -358,3 +358,39 @@ fn pool_fill_active_offset_and_chain_paths() {
     img.close().unwrap();
     clean(&p);
 }
+
+#[test]
+fn pool_worker_protocol() {
+    use std::os::unix::io::AsRawFd;
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("w.pcow");
+    let mut img = create(&p, MIB, 65536, None);
+    img.set_pool_clusters(4);
+    let (off, len) = img.pool_shortfall().unwrap();
+    assert_eq!((off, len), (65536, 4 * 65536));
+    // The worker reserves on its own handle of the file.
+    let f = img.file().unwrap().try_clone().unwrap();
+    // SAFETY: fallocate reads only its integer arguments; `f` is open.
+    assert_eq!(
+        unsafe { libc::fallocate(f.as_raw_fd(), 0, off as i64, len as i64) },
+        0
+    );
+    assert!(
+        !img.pool_reserved(off + 65536, len),
+        "a range that does not continue the file"
+    );
+    assert!(img.pool_reserved(off, len));
+    assert_eq!(img.pool_shortfall(), None);
+    // Header, one meta cluster and three data clusters: the file as reserved.
+    for v in 0..3 {
+        img.active_cluster(v).unwrap();
+    }
+    assert_eq!(
+        std::fs::metadata(&p).unwrap().len(),
+        5 * 65536,
+        "served from the reserved pool"
+    );
+    assert!(img.pool_shortfall().is_some());
+    img.close().unwrap();
+    clean(&p);
+}
