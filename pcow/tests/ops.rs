@@ -371,10 +371,8 @@ fn pool_worker_protocol() {
     // The worker reserves on its own handle of the file.
     let f = img.file().unwrap().try_clone().unwrap();
     // SAFETY: fallocate reads only its integer arguments; `f` is open.
-    assert_eq!(
-        unsafe { libc::fallocate(f.as_raw_fd(), 0, off as i64, len as i64) },
-        0
-    );
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, off as i64, len as i64) };
+    assert_eq!(r, 0);
     assert!(
         !img.pool_reserved(off + 65536, len),
         "a range that does not continue the file"
@@ -392,5 +390,8 @@ fn pool_worker_protocol() {
     );
     assert!(img.pool_shortfall().is_some());
     img.close().unwrap();
+    // The worker's handle shares the open file description, and with it
+    // the writer's lock: it must go before anyone else can open the image.
+    drop(f);
     clean(&p);
 }
