@@ -1,80 +1,17 @@
 //! End-to-end tests of `pcow-img`: the real binary on files in a tempdir.
 
+mod common;
+
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
+use common::{fails, ok, run_in, tmp};
 use serde_json::Value;
-
-const BIN: &str = env!("CARGO_BIN_EXE_pcow-img");
-
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run_in(dir: &Path, args: &[&str]) -> Run {
-    let out: Output = Command::new(BIN)
-        .args(args)
-        .current_dir(dir)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("running pcow-img");
-    Run {
-        code: out.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
-}
-
-/// Runs and expects success.
-fn ok(dir: &Path, args: &[&str]) -> String {
-    let r = run_in(dir, args);
-    assert_eq!(
-        r.code, 0,
-        "pcow-img {args:?} failed: stdout {:?} stderr {:?}",
-        r.stdout, r.stderr
-    );
-    r.stdout
-}
-
-/// Runs and expects exit code 1 with one `pcow-img: ` line on stderr
-/// containing `needle`.
-fn fails(dir: &Path, args: &[&str], needle: &str) -> String {
-    let r = run_in(dir, args);
-    assert_eq!(
-        r.code, 1,
-        "pcow-img {args:?}: expected exit 1, got {}: stdout {:?} stderr {:?}",
-        r.code, r.stdout, r.stderr
-    );
-    assert!(
-        r.stderr.starts_with("pcow-img: "),
-        "stderr of {args:?}: {:?}",
-        r.stderr
-    );
-    assert_eq!(
-        r.stderr.lines().count(),
-        1,
-        "stderr of {args:?}: {:?}",
-        r.stderr
-    );
-    assert!(
-        r.stderr.contains(needle),
-        "stderr of {args:?} lacks {needle:?}: {:?}",
-        r.stderr
-    );
-    r.stderr
-}
 
 fn json(dir: &Path, args: &[&str]) -> Value {
     let s = ok(dir, args);
     serde_json::from_str(&s).unwrap_or_else(|e| panic!("{args:?}: bad JSON {e}: {s}"))
-}
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
 }
 
 fn file_len(p: &Path) -> u64 {

@@ -5,6 +5,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{overlay, read, ro, tmp};
 use pcow::{BaseFormat, BaseRef, CreateOptions, Error, Image, OpenOptions};
 
 const KIB: u64 = 1024;
@@ -12,10 +15,6 @@ const MIB: u64 = 1024 * KIB;
 const PAGE: usize = 4096;
 
 // ----- helpers -----
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
 
 fn create(path: &Path, cluster_size: u64, virtual_size: u64) -> Image {
     Image::create(
@@ -29,25 +28,6 @@ fn create(path: &Path, cluster_size: u64, virtual_size: u64) -> Image {
     .unwrap()
 }
 
-fn overlay(path: &Path, base: &str, format: BaseFormat, cluster_size: u64) -> Image {
-    Image::create(
-        path,
-        &CreateOptions {
-            cluster_size: Some(cluster_size),
-            virtual_size: None,
-            base: Some(BaseRef {
-                name: base.to_owned(),
-                format,
-            }),
-        },
-    )
-    .unwrap()
-}
-
-fn ro(path: &Path) -> Image {
-    Image::open(path, OpenOptions::read_only()).unwrap()
-}
-
 fn rw(path: &Path) -> Image {
     Image::open(path, OpenOptions::read_write()).unwrap()
 }
@@ -57,12 +37,6 @@ fn pattern(seed: u32, len: usize) -> Vec<u8> {
     (0..len as u32)
         .map(|i| (i.wrapping_mul(7).wrapping_add(seed.wrapping_mul(131)) % 251) as u8 + 1)
         .collect()
-}
-
-fn read(img: &Image, offset: u64, len: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; len];
-    img.read_at(&mut buf, offset).unwrap();
-    buf
 }
 
 /// Runs `f` on its own thread and fails if it has not returned after

@@ -7,38 +7,12 @@
 //! the parent, and with them the flock locks of images that other tests in
 //! the same binary have open.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use pcow::{BaseFormat, BaseRef, CreateOptions, Error, Image, OpenOptions};
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().unwrap()
-}
-
-fn overlay(path: &Path, base: &str, format: BaseFormat, cluster_size: u64) -> Image {
-    Image::create(
-        path,
-        &CreateOptions {
-            cluster_size: Some(cluster_size),
-            virtual_size: None,
-            base: Some(BaseRef {
-                name: base.to_owned(),
-                format,
-            }),
-        },
-    )
-    .unwrap()
-}
-
-fn ro(path: &Path) -> Image {
-    Image::open(path, OpenOptions::read_only()).unwrap()
-}
-
-fn read(img: &Image, offset: u64, len: usize) -> Vec<u8> {
-    let mut buf = vec![0u8; len];
-    img.read_at(&mut buf, offset).unwrap();
-    buf
-}
+use common::{overlay, read, ro, tmp};
+use pcow::{BaseFormat, Error, Image, OpenOptions};
 
 const CHILD_ROOT: &str = "PCOW_PROTOTYPE_BUGS_ROOT";
 
