@@ -2,8 +2,8 @@
 //! spec's "Updates: the barrier" section defines (data, sync, metadata slots,
 //! sync, header slot, sync).
 
-use crate::error::Result;
-use crate::format::{encode_meta, encode_snap, push_entry, SnapSlot};
+use crate::error::{Error, Result};
+use crate::format::{encode_meta, encode_snap, push_entry, SnapSlot, MAX_GENERATION};
 use crate::image::{io_err, Image};
 
 /// A metadata cluster written by the barrier in progress.
@@ -35,7 +35,14 @@ impl Image {
         if !self.meta_dirty {
             return Ok(());
         }
+        // Readers refuse generations past the limit, so never write one.
         let gen = self.committed_gen + 1;
+        if gen > MAX_GENERATION {
+            return Err(Error::Limit {
+                path: path.clone(),
+                what: "generation counter exhausted".into(),
+            });
+        }
         let g = self.g;
         let slot_bytes = g.slot_size() as u64;
         let mut written = Vec::new();

@@ -204,6 +204,7 @@ pub fn check(path: &Path, repair: Option<Repair>, force_share: bool) -> Result<C
     let mut img = Image::open(path, rw)?;
     let max_id = img.snapshots().iter().map(|s| s.id).max().unwrap_or(0);
     if img.header.next_snapshot_id <= max_id {
+        // Also covers a zero counter with no snapshot: the next id is 1.
         img.header.next_snapshot_id = max_id + 1;
         img.meta_dirty = true;
     }

@@ -27,6 +27,9 @@ pub const MAX_BASE_NAME: usize = 1023;
 pub const MAX_TAG: usize = 255;
 /// Largest virtual size.
 pub const MAX_VIRTUAL_SIZE: u64 = 1 << 56;
+/// Largest valid generation: far beyond any real use (2^62 barriers at one
+/// per microsecond take 146,000 years), so that a writer never wraps.
+pub const MAX_GENERATION: u64 = 1 << 62;
 /// Implementation limit on layers per file.
 pub const MAX_LAYERS: u32 = 65536;
 /// Implementation limit on images in a chain, the top included.
@@ -81,6 +84,8 @@ pub enum FormatError {
         stored: u32,
         computed: u32,
     },
+    #[error("R1: generation {value} at offset {offset} (must be 1..=2^62)")]
+    Generation { value: u64, offset: u64 },
     #[error("R2: unknown incompatible feature bits {bits:#x} at offset {offset}")]
     UnknownIncompatible { bits: u64, offset: u64 },
     #[error("R3: virtual_size {value} at offset {offset} (must be a non-zero multiple of the cluster size {cluster_size}, at most 2^56)")]
@@ -190,7 +195,7 @@ impl FormatError {
             NoValidHeader { .. } | HeaderMagic { .. } | Version { .. } | HeaderLength { .. } => {
                 "R1"
             }
-            ClusterBits { .. } | Crc { .. } | Truncated { .. } => "R1",
+            ClusterBits { .. } | Crc { .. } | Truncated { .. } | Generation { .. } => "R1",
             UnknownIncompatible { .. } => "R2",
             VirtualSize { .. } => "R3",
             BaseNameLength { .. } | BaseNameEncoding { .. } | BaseFormat { .. } => "R4",
@@ -466,6 +471,13 @@ impl Header {
             return Err(FormatError::HeaderMagic { offset: at });
         }
         check_crc(&buf[..slot], HEADER_CRC_OFFSET, at)?;
+        let generation = raw.generation.get();
+        if generation == 0 || generation > MAX_GENERATION {
+            return Err(FormatError::Generation {
+                value: generation,
+                offset: at + 48,
+            });
+        }
         let unknown = raw.incompatible_features.get() & !features::SUPPORTED_INCOMPAT;
         if unknown != 0 {
             return Err(FormatError::UnknownIncompatible {

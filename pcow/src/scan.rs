@@ -420,21 +420,22 @@ impl Image {
                 offset: hdr + 80,
             }));
         }
-        if let Some(max) = self
+        // Id 0 means "no snapshot", so the counter is at least 1 even
+        // without snapshots.
+        let max = self
             .layers
             .iter()
             .filter_map(|l| l.snap.as_ref())
             .map(|s| s.id)
-            .max()
-        {
-            if max >= self.header.next_snapshot_id {
-                report(FormatError::Counter {
-                    name: "next_snapshot_id",
-                    stored: u64::from(self.header.next_snapshot_id),
-                    found: u64::from(max) + 1,
-                    offset: hdr + 92,
-                })?;
-            }
+            .max();
+        let min_next = max.unwrap_or(0) + 1;
+        if self.header.next_snapshot_id < min_next {
+            report(FormatError::Counter {
+                name: "next_snapshot_id",
+                stored: u64::from(self.header.next_snapshot_id),
+                found: u64::from(min_next),
+                offset: hdr + 92,
+            })?;
         }
         self.findings = findings;
         Ok(())

@@ -8,9 +8,13 @@ use crate::format::MAX_TAG;
 use crate::image::{Image, SnapshotInfo};
 
 impl Image {
-    /// Live snapshots, oldest first.
+    /// Live snapshots, oldest first (ids are handed out in creation order;
+    /// the layers that carry them need not be, after a rollback or a
+    /// compaction).
     pub fn snapshots(&self) -> Vec<SnapshotInfo> {
-        self.layers.iter().filter_map(|l| l.snap.clone()).collect()
+        let mut v: Vec<SnapshotInfo> = self.layers.iter().filter_map(|l| l.snap.clone()).collect();
+        v.sort_unstable_by_key(|s| s.id);
+        v
     }
 
     /// Finds a snapshot by id (tried first, as qemu-img does) or by tag;
@@ -79,7 +83,9 @@ impl Image {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        let id = self.header.next_snapshot_id;
+        // Id 0 means "no snapshot": never hand it out, even if a lenient
+        // open let a zero counter through.
+        let id = self.header.next_snapshot_id.max(1);
         let id_next = id.checked_add(1).ok_or_else(|| Error::Limit {
             path: self.path.clone(),
             what: "snapshot ids exhausted".into(),
