@@ -10,16 +10,27 @@
 //! waits for the hold (the region lock is taken only once writers are
 //! held), so a writer blocked in a fault cannot deadlock the barrier.
 //!
-//! This barrier copies whole clusters: a cluster with one written private
-//! page is copied entirely into a new cluster of the writable layer (all of
-//! its pages recorded). Storing only the written 4 KiB pages (a partial
-//! bitmap, the rest read through from below) is a later improvement.
+//! Copy-on-write is per 4 KiB page: a cluster with data below gets only
+//! its written pages copied into the writable layer's cluster (a partial
+//! bitmap on disk, the rest read through from below) and keeps its private
+//! mapping; a former hole (nothing below) becomes a whole cluster mapped
+//! shared. Pages already copied stay private and may be written again, so
+//! a barrier must find the pages written since the previous one, not every
+//! private page: private clusters are registered with a WP-async
+//! userfaultfd ([`WriteTracker`]) and `PAGEMAP_SCAN` reports the pages
+//! written since they were last write-protected and re-protects them in
+//! the same walk, all while writers are held. The walk still visits every
+//! page-table entry present in the private ranges (the kernel keeps no
+//! summary): the cost follows the pages written plus the populated part of
+//! the private mappings, not the region's size. Without WP-async (kernel
+//! before 6.7, or the pagemap read fallback) every private page is copied
+//! again at every barrier: correct, slower.
 
 use std::os::fd::RawFd;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::pagemap::{PagemapError, ScanMethod, PAGE_SIZE};
+use crate::pagemap::{PagemapError, ScanMethod, WriteTracker, PAGE_SIZE};
 use crate::region::{ClusterState, RegionState};
 
 /// Holds the guest's writers for a barrier. A VMM pauses its vCPUs; tests
@@ -156,18 +167,93 @@ pub enum BarrierError {
 /// What one barrier did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BarrierStats {
-    /// Private pages found.
+    /// Written private pages found (with write tracking: written since the
+    /// previous barrier; without: every private page).
     pub private_pages: u64,
-    /// Clusters copied into the writable layer.
+    /// Pages written into the image (a whole cluster counts all its pages).
+    pub pages_copied: u64,
+    /// Clusters that received pages.
     pub clusters_copied: u64,
+    /// Clusters copied into the writable layer with only their written
+    /// pages (a partial bitmap; the region keeps its private mapping).
+    pub clusters_partial: u64,
+    /// Clusters remapped shared from the writable layer (former holes, and
+    /// clusters whose every page the writable layer now holds).
+    pub clusters_remapped: u64,
     /// Clusters left private because remapping them failed (they are in
     /// the image; the next barrier copies them again).
     pub remap_failures: u64,
+    /// Whether write tracking (WP-async) found the pages.
+    pub tracked: bool,
+    /// Time spent finding the written pages.
+    pub scan: Duration,
+    /// Time spent copying pages into the image and remapping.
+    pub copy: Duration,
+    /// Time spent in the image's barrier (syncs and metadata commit).
+    pub commit: Duration,
     /// Time spent holding writers.
     pub held: Duration,
 }
 
+/// Pages to move: (vcn, sorted page indices in the cluster).
+type Harvest = Vec<(u64, Vec<u32>)>;
+
 impl RegionState {
+    /// Maximal runs `[first, end)` of clusters in `state`.
+    fn cluster_runs(&self, state: ClusterState) -> Vec<(u64, u64)> {
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (i, &c) in self.clusters.iter().enumerate() {
+            if c != state {
+                continue;
+            }
+            let i = i as u64;
+            match runs.last_mut() {
+                Some(last) if last.1 == i => last.1 = i + 1,
+                _ => runs.push((i, i + 1)),
+            }
+        }
+        runs
+    }
+
+    /// Starts write tracking of every private cluster (called once the
+    /// region is built). Without it (`enable` false, or a kernel without
+    /// WP-async) every barrier re-copies every private page: correct, but
+    /// its cost grows with what was ever written.
+    pub(crate) fn start_tracking(&mut self, enable: bool) {
+        if !enable {
+            return;
+        }
+        let tracker = match WriteTracker::new() {
+            Ok(t) => t,
+            Err(e) => {
+                log::warn!("no write tracking, barriers re-copy every private page: {e}");
+                return;
+            }
+        };
+        let base = self.mapping.base();
+        for (a, b) in self.cluster_runs(ClusterState::Private) {
+            if let Err(e) = tracker.register(base + a * self.cs, (b - a) * self.cs) {
+                log::warn!("no write tracking, barriers re-copy every private page: {e}");
+                return;
+            }
+        }
+        self.tracker = Some(tracker);
+    }
+
+    /// Tracks `[vcn, end)` (just mapped private); on failure gives up
+    /// tracking for the whole region (barriers then re-copy every private
+    /// page, which stays correct).
+    fn track(&mut self, vcn: u64, end: u64) {
+        let Some(t) = &self.tracker else {
+            return;
+        };
+        let base = self.mapping.base();
+        if let Err(e) = t.register(base + vcn * self.cs, (end - vcn) * self.cs) {
+            log::warn!("write tracking stopped, barriers re-copy every private page: {e}");
+            self.tracker = None;
+        }
+    }
+
     /// The private page runs of the whole region, as addresses.
     fn written_runs(&mut self) -> Result<Vec<(u64, u64)>, PagemapError> {
         let base = self.mapping.base();
@@ -177,14 +263,53 @@ impl RegionState {
         Ok(runs)
     }
 
-    /// Private pages not yet moved into the image. With the pagemap read
-    /// fallback, zero pages of zero-mapped holes count too (an upper bound).
+    /// With write tracking: the pages of private clusters written since the
+    /// last barrier (write-protected again when `protect`), then every
+    /// private page of zero-mapped holes (as addresses, per scan sorted).
+    fn tracked_runs(&mut self, protect: bool) -> Result<Vec<(u64, u64)>, PagemapError> {
+        let base = self.mapping.base();
+        let cs = self.cs;
+        let mut runs = Vec::new();
+        for (a, b) in self.cluster_runs(ClusterState::Private) {
+            let (start, end) = (base + a * cs, base + b * cs);
+            match self.scanner.written_since(start, end, protect, &mut runs) {
+                Err(PagemapError::NotTracked { .. }) => {
+                    // A private range nobody registered (a bookkeeping
+                    // slip): track it now; until now nothing was
+                    // write-protected there, so every private page of it
+                    // counts as written, which is what a retry reports.
+                    log::warn!("clusters {a}..{b}: private but not tracked; tracking now");
+                    self.track(a, b);
+                    if self.tracker.is_none() {
+                        return Err(PagemapError::NotTracked { start, end });
+                    }
+                    self.scanner.written_since(start, end, protect, &mut runs)?;
+                }
+                r => r?,
+            }
+        }
+        for (a, b) in self.cluster_runs(ClusterState::Zero) {
+            self.scanner
+                .written(base + a * cs, base + b * cs, &mut runs)?;
+        }
+        Ok(runs)
+    }
+
+    /// Private pages not yet moved into the image. Without write tracking,
+    /// every private page counts (also those already in the image); with
+    /// the pagemap read fallback, zero pages of zero-mapped holes too (an
+    /// upper bound).
     pub(crate) fn pending_pages(&mut self) -> Result<u64, PagemapError> {
-        Ok(self
-            .written_runs()?
-            .iter()
-            .map(|(a, b)| (b - a) / PAGE_SIZE)
-            .sum())
+        let runs = if self.tracker.is_some() {
+            match self.tracked_runs(false) {
+                Ok(r) => r,
+                Err(PagemapError::NotTracked { .. }) => self.written_runs()?,
+                Err(e) => return Err(e),
+            }
+        } else {
+            self.written_runs()?
+        };
+        Ok(runs.iter().map(|(a, b)| (b - a) / PAGE_SIZE).sum())
     }
 
     /// Whether the page at region offset `off` is all zeros.
@@ -202,15 +327,19 @@ impl RegionState {
         page.iter().all(|&b| b == 0)
     }
 
-    /// Moves every private page into the writable layer and commits: the
-    /// barrier proper. Writers must be held by the caller.
-    pub(crate) fn barrier_held(&mut self) -> Result<BarrierStats, BarrierError> {
-        let mut stats = BarrierStats::default();
+    /// The written pages to move at this barrier, by cluster. Write
+    /// protection is re-armed on the pages returned (with tracking).
+    fn harvest(&mut self, stats: &mut BarrierStats) -> Result<Harvest, BarrierError> {
         let base = self.mapping.base();
         let cs = self.cs;
-        let runs = self.written_runs()?;
+        stats.tracked = self.tracker.is_some();
+        let runs = if stats.tracked {
+            self.tracked_runs(true)?
+        } else {
+            self.written_runs()?
+        };
         let fallback = self.scanner.method() == ScanMethod::Read;
-        let mut vcns: Vec<u64> = Vec::new();
+        let mut pages: Vec<(u64, u32)> = Vec::new();
         for &(a, b) in &runs {
             let mut p = a;
             while p < b {
@@ -222,17 +351,44 @@ impl RegionState {
                     && self.clusters[vcn as usize] == ClusterState::Zero
                     && self.page_is_zero(off);
                 if !skip {
-                    stats.private_pages += 1;
-                    if vcns.last() != Some(&vcn) {
-                        vcns.push(vcn);
-                    }
+                    pages.push((vcn, ((off % cs) / PAGE_SIZE) as u32));
                 }
                 p += PAGE_SIZE;
             }
         }
-        let pages = (cs / PAGE_SIZE) as usize;
-        for vcn in vcns {
-            match self.clusters[vcn as usize] {
+        stats.private_pages = pages.len() as u64;
+        pages.sort_unstable();
+        let mut out: Harvest = Vec::new();
+        for (vcn, page) in pages {
+            match out.last_mut() {
+                Some((v, list)) if *v == vcn => list.push(page),
+                _ => out.push((vcn, vec![page])),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Moves every written private page into the writable layer and
+    /// commits: the barrier proper. Writers must be held by the caller.
+    ///
+    /// - a zero-mapped hole (nothing below) becomes a whole fresh cluster:
+    ///   copied entirely, recorded entirely, remapped shared;
+    /// - a private cluster (data below) gets only its written pages copied
+    ///   into the writable layer's cluster and recorded (a partial bitmap:
+    ///   the rest still reads from below) and keeps its private mapping, so
+    ///   the guest keeps its pages; once the writable layer holds every
+    ///   page, the cluster is remapped shared.
+    pub(crate) fn barrier_held(&mut self) -> Result<BarrierStats, BarrierError> {
+        let mut stats = BarrierStats::default();
+        let cs = self.cs;
+        let t = Instant::now();
+        let harvest = self.harvest(&mut stats)?;
+        stats.scan = t.elapsed();
+        let npages = (cs / PAGE_SIZE) as usize;
+        let t = Instant::now();
+        for (vcn, pages) in harvest {
+            let state = self.clusters[vcn as usize];
+            match state {
                 ClusterState::Zero | ClusterState::Private => {}
                 // Shared clusters have no private pages and holes have no
                 // pages at all; anything else is a bookkeeping bug.
@@ -247,53 +403,110 @@ impl RegionState {
                 file_offset: ac.file_offset,
                 source,
             })?;
-            self.copy_out(vcn, fd, ac.file_offset)?;
-            self.image.record_pages(vcn, 0, pages)?;
-            match self
-                .mapping
-                .map_file(vcn * cs, cs, fd, ac.file_offset, true)
-            {
-                Ok(()) => self.clusters[vcn as usize] = ClusterState::Shared,
-                Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
-                    // Out of mappings (vm.max_map_count): the data is in the
-                    // image; the cluster stays private and is copied again
-                    // at the next barrier.
-                    if stats.remap_failures == 0 {
-                        log::warn!("cluster {vcn}: left private: {e}");
+            if ac.whole {
+                // Nothing below (a former hole): the cluster is the
+                // writable layer's whole, as the region shows it.
+                self.copy_out(vcn, fd, ac.file_offset, 0, cs)?;
+                self.image.record_pages(vcn, 0, npages)?;
+                stats.pages_copied += npages as u64;
+                self.remap_shared(vcn, fd, ac.file_offset, &mut stats)?;
+            } else {
+                let mut i = 0;
+                while i < pages.len() {
+                    let first = pages[i];
+                    let mut n = 1;
+                    while i + n < pages.len() && pages[i + n] == first + n as u32 {
+                        n += 1;
                     }
-                    stats.remap_failures += 1;
+                    let from = u64::from(first) * PAGE_SIZE;
+                    self.copy_out(vcn, fd, ac.file_offset, from, n as u64 * PAGE_SIZE)?;
+                    self.image.record_pages(vcn, first as usize, n)?;
+                    i += n;
                 }
-                Err(source) => return Err(BarrierError::Remap { vcn, source }),
+                stats.pages_copied += pages.len() as u64;
+                stats.clusters_partial += 1;
+                // Every page written at some barrier: the file holds what
+                // the region shows (each page was copied when last
+                // written), so a shared mapping changes nothing.
+                if self.image.active_cluster(vcn)?.whole {
+                    self.remap_shared(vcn, fd, ac.file_offset, &mut stats)?;
+                }
             }
             stats.clusters_copied += 1;
         }
+        stats.copy = t.elapsed();
         // Shared mappings dirty the top file's page cache directly: always
         // sync data before the metadata commit.
+        let t = Instant::now();
         self.image.mark_data_written();
         self.image.flush()?;
+        stats.commit = t.elapsed();
         Ok(stats)
     }
 
-    /// Writes cluster `vcn` as the region shows it into the top file.
-    fn copy_out(&self, vcn: u64, fd: RawFd, file_offset: u64) -> Result<(), BarrierError> {
+    /// Maps cluster `vcn` shared from the top file at `file_offset`, whose
+    /// content equals what the region shows there. Writers must be held.
+    fn remap_shared(
+        &mut self,
+        vcn: u64,
+        fd: RawFd,
+        file_offset: u64,
+        stats: &mut BarrierStats,
+    ) -> Result<(), BarrierError> {
+        let cs = self.cs;
+        match self.mapping.map_file(vcn * cs, cs, fd, file_offset, true) {
+            Ok(()) => {
+                self.clusters[vcn as usize] = ClusterState::Shared;
+                stats.clusters_remapped += 1;
+                Ok(())
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
+                // Out of mappings (vm.max_map_count): the data is in the
+                // image; the cluster stays as it is and its pages are
+                // found (and copied) again at the next barrier.
+                if stats.remap_failures == 0 {
+                    log::warn!("cluster {vcn}: left unmapped from the image: {e}");
+                }
+                stats.remap_failures += 1;
+                Ok(())
+            }
+            Err(source) => Err(BarrierError::Remap { vcn, source }),
+        }
+    }
+
+    /// Writes `len` bytes at byte `from` of cluster `vcn` as the region
+    /// shows them into the top file's cluster at `file_offset`.
+    fn copy_out(
+        &self,
+        vcn: u64,
+        fd: RawFd,
+        file_offset: u64,
+        from: u64,
+        len: u64,
+    ) -> Result<(), BarrierError> {
         let cs = self.cs;
         let err = |source| BarrierError::Copy {
             vcn,
             file_offset,
             source,
         };
-        let p = self.mapping.ptr(vcn * cs, cs).map_err(err)?;
+        if from.checked_add(len).is_none_or(|e| e > cs) {
+            return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        let p = self.mapping.ptr(vcn * cs + from, len).map_err(err)?;
         let mut done = 0u64;
-        while done < cs {
-            let off = libc::off_t::try_from(file_offset + done)
+        while done < len {
+            let off = libc::off_t::try_from(file_offset + from + done)
                 .map_err(|_| err(std::io::Error::from_raw_os_error(libc::EOVERFLOW)))?;
-            // SAFETY: `p + done .. p + cs` is mapped region memory (checked
+            // SAFETY: `p + done .. p + len` is mapped region memory (checked
             // in bounds by `ptr`); the kernel only reads it. Writers are
             // held, and the cluster is private or zero-mapped, so every page
             // is present or file-backed and reading it never waits on the
-            // monitor (which may need the lock we hold).
-            let n =
-                unsafe { libc::pwrite(fd, p.add(done as usize).cast(), (cs - done) as usize, off) };
+            // monitor (which may need the lock we hold); a read does not
+            // trip write protection.
+            let n = unsafe {
+                libc::pwrite(fd, p.add(done as usize).cast(), (len - done) as usize, off)
+            };
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.kind() == std::io::ErrorKind::Interrupted {
@@ -350,6 +563,9 @@ impl RegionState {
             for v in vcn..end {
                 self.clusters[v as usize] = ClusterState::Private;
             }
+            // The new private mapping must be tracked: writes to it are
+            // copy-on-write from now on.
+            self.track(vcn, end);
             demoted += end - vcn;
             vcn = end;
         }

@@ -9,12 +9,12 @@
 //! mapped shared, read-only layers private, holes served by the
 //! userfaultfd [`monitor`] (an fd for the VMM's epoll loop). The [`barrier`]
 //! moves copy-on-write pages into the image and commits it; [`PcowRegion`]
-//! ([`pcow_device`]) is what a VMM holds (FLUSH, live snapshot, status).
+//! ([`pcow_device`]) is what a VMM holds (FLUSH, live snapshot, live
+//! overlay, status). The [`pool`] worker pre-allocates clusters off the
+//! fault path and signals an eventfd the monitor exposes as its second fd.
 //! [`pagemap`] wraps `PAGEMAP_SCAN`.
 //!
-//! Not here yet: live overlay (switch to a new top file), the
-//! pre-allocation worker's eventfd (the image's pool is refilled inside
-//! the write fault that runs out of it), per-4-KiB harvest (the barrier copies
+//! Not here yet: per-4-KiB harvest (the barrier copies
 //! whole clusters), and write tracking whose cost follows the pages
 //! written (the barrier scans the whole region's page tables).
 #![warn(missing_docs)]
@@ -24,6 +24,7 @@ pub mod device;
 pub mod monitor;
 pub mod pagemap;
 pub mod pcow_device;
+pub mod pool;
 pub mod raw;
 pub mod region;
 pub mod request;
@@ -31,7 +32,8 @@ pub mod request;
 pub use barrier::{BarrierError, BarrierStats, Quiesce, WriteGate};
 pub use device::{FlushBackend, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE};
 pub use monitor::{FaultCounters, Monitor, MonitorError};
-pub use pcow_device::{PcowRegion, Status};
+pub use pcow_device::{OverlayError, OverlayInfo, PcowRegion, Status};
+pub use pool::{PoolOptions, PoolStatus};
 pub use raw::{RawError, RawRegion};
 pub use region::{RegionError, RegionOptions};
 pub use request::{parse, Request, RequestError, RequestType};

@@ -22,6 +22,8 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 
+use crate::pcow_device::DeviceState;
+use crate::pool::EventFd;
 use crate::region::{ClusterState, RegionState};
 
 const UFFD_API: u64 = 0xAA;
@@ -303,18 +305,25 @@ pub struct FaultCounters {
 
 /// The fd-driven half of a pcow region, owned by the VMM's event loop.
 ///
+/// Two fds to poll for reading ([`Monitor::fds`]): the userfaultfd
+/// ([`Monitor::fd`], handled by [`Monitor::handle_ready`]) and, when the
+/// pool has a worker, its eventfd ([`Monitor::pool_fd`], handled by
+/// [`Monitor::handle_pool_ready`]); [`Monitor::handle_fd`] dispatches.
+///
 /// Holds the region's shared state: the region's address space stays
 /// reserved while the monitor lives, so a late fault can never map
 /// into memory that was given back.
 pub struct Monitor {
-    pub(crate) state: Arc<Mutex<RegionState>>,
+    pub(crate) dev: Arc<Mutex<DeviceState>>,
     pub(crate) uffd: Arc<Uffd>,
+    pub(crate) pool_efd: Option<Arc<EventFd>>,
 }
 
 impl std::fmt::Debug for Monitor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Monitor")
             .field("fd", &self.uffd.as_raw_fd())
+            .field("pool_fd", &self.pool_fd())
             .finish()
     }
 }
@@ -325,10 +334,41 @@ impl Monitor {
         self.uffd.as_raw_fd()
     }
 
+    /// The pre-allocation worker's eventfd to poll for reading
+    /// (non-blocking; the same fd for the monitor's whole life, also across
+    /// live overlays), or `None` when the pool has no worker.
+    pub fn pool_fd(&self) -> Option<RawFd> {
+        self.pool_efd.as_ref().map(|e| e.as_raw_fd())
+    }
+
+    /// Every fd to register for reading: the userfaultfd, then the pool's
+    /// eventfd if any.
+    pub fn fds(&self) -> Vec<RawFd> {
+        std::iter::once(self.fd()).chain(self.pool_fd()).collect()
+    }
+
+    /// Handles readiness of `fd` (one of [`Monitor::fds`]); an unknown fd
+    /// does nothing. Returns the events handled.
+    pub fn handle_fd(&self, fd: RawFd) -> Result<usize, MonitorError> {
+        if fd == self.fd() {
+            self.handle_ready()
+        } else if Some(fd) == self.pool_fd() {
+            self.handle_pool_ready()
+        } else {
+            Ok(0)
+        }
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, DeviceState>, MonitorError> {
+        self.dev.lock().map_err(|_| MonitorError::Poisoned)
+    }
+
     /// Drains and resolves every pending fault; returns how many were
     /// handled. Call when [`Monitor::fd`] is readable. The first error is
     /// returned after every event read was tried (an event is never left
-    /// half-done: a fault that cannot be mapped gets zeros).
+    /// half-done: a fault that cannot be mapped gets zeros). Afterwards,
+    /// takes finished refills and asks the worker for one if the pool is
+    /// low.
     pub fn handle_ready(&self) -> Result<usize, MonitorError> {
         let mut buf = [0u8; MSG_SIZE * 32];
         let mut handled = 0;
@@ -338,7 +378,8 @@ impl Monitor {
             if n == 0 {
                 break;
             }
-            let mut st = self.state.lock().map_err(|_| MonitorError::Poisoned)?;
+            let mut g = self.lock()?;
+            let dev = &mut *g;
             for m in buf[..n * MSG_SIZE].chunks_exact(MSG_SIZE) {
                 if m[0] != UFFD_EVENT_PAGEFAULT {
                     continue;
@@ -350,11 +391,29 @@ impl Monitor {
                 };
                 let (flags, addr) = (word(8), word(16));
                 handled += 1;
-                if let Err(e) = st.resolve_fault(addr, flags & UFFD_PAGEFAULT_FLAG_WRITE != 0) {
-                    log::error!("userfaultfd: {e}");
-                    first_err.get_or_insert(e);
+                let before = dev.region.image.pool_shortfall();
+                match dev
+                    .region
+                    .resolve_fault(addr, flags & UFFD_PAGEFAULT_FLAG_WRITE != 0)
+                {
+                    // The pool had a shortfall and has none now: the fault's
+                    // allocation grew the file by a whole pool itself (a
+                    // worker's refill is only taken in `apply`, below).
+                    Ok(Resolved::Allocated) => {
+                        if before.is_some() && dev.region.image.pool_shortfall().is_none() {
+                            dev.pool.note_inline();
+                        }
+                    }
+                    Ok(Resolved::Fallback(msg)) => dev.pool.note_failure(msg),
+                    Ok(Resolved::Zeroed | Resolved::Woken) => {}
+                    Err(e) => {
+                        log::error!("userfaultfd: {e}");
+                        first_err.get_or_insert(e);
+                    }
                 }
             }
+            dev.pool.apply(&mut dev.region.image);
+            dev.pool.request(&dev.region.image);
         }
         match first_err {
             Some(e) => Err(e),
@@ -362,19 +421,62 @@ impl Monitor {
         }
     }
 
+    /// Takes the worker's finished refills (the image's pool grows by what
+    /// was reserved) and asks for the next one if the pool is still low.
+    /// Call when [`Monitor::pool_fd`] is readable; returns the refills
+    /// taken.
+    pub fn handle_pool_ready(&self) -> Result<usize, MonitorError> {
+        if let Some(e) = &self.pool_efd {
+            e.drain();
+        }
+        let mut g = self.lock()?;
+        let dev = &mut *g;
+        let n = dev.pool.apply(&mut dev.region.image);
+        // A range that just failed is not asked for again (see
+        // `PoolCtl::request`): a full disk does not make the worker spin.
+        dev.pool.request(&dev.region.image);
+        Ok(n)
+    }
+
     /// Counters so far.
     pub fn counters(&self) -> Result<FaultCounters, MonitorError> {
-        Ok(self
-            .state
-            .lock()
-            .map_err(|_| MonitorError::Poisoned)?
-            .faults)
+        Ok(self.lock()?.region.faults)
     }
+}
+
+/// An error and its sources, one line.
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s += ": ";
+        s += &c.to_string();
+        src = c.source();
+    }
+    s
+}
+
+/// How a fault was resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Resolved {
+    /// A hole got the active layer's cluster, mapped shared.
+    Allocated,
+    /// A read in a hole got zeros.
+    Zeroed,
+    /// The cluster was resolved already: woken only.
+    Woken,
+    /// A write in a hole got zeros because no cluster could be mapped
+    /// (the message says why).
+    Fallback(String),
 }
 
 impl RegionState {
     /// Resolves one fault at `addr`.
-    pub(crate) fn resolve_fault(&mut self, addr: u64, write: bool) -> Result<(), MonitorError> {
+    pub(crate) fn resolve_fault(
+        &mut self,
+        addr: u64,
+        write: bool,
+    ) -> Result<Resolved, MonitorError> {
         let base = self.mapping.base();
         let cs = self.cs;
         if addr < base || addr >= base + self.mapping.len() as u64 {
@@ -388,7 +490,8 @@ impl RegionState {
                     Ok(()) => {
                         self.clusters[vcn as usize] = ClusterState::Shared;
                         self.faults.write_faults += 1;
-                        self.uffd.wake(start, cs)
+                        self.uffd.wake(start, cs)?;
+                        Ok(Resolved::Allocated)
                     }
                     Err(e) => {
                         // Zeros keep the guest running; its write lands in
@@ -405,7 +508,10 @@ impl RegionState {
                                 source: Box::new(z),
                             })?;
                         self.clusters[vcn as usize] = ClusterState::Zero;
-                        Ok(())
+                        Ok(Resolved::Fallback(format!(
+                            "cluster {vcn}: no cluster for a write fault, zeros mapped: {}",
+                            error_chain(&*e)
+                        )))
                     }
                 }
             }
@@ -413,11 +519,12 @@ impl RegionState {
                 self.uffd.zeropage(start, cs)?;
                 self.clusters[vcn as usize] = ClusterState::Zero;
                 self.faults.read_faults += 1;
-                Ok(())
+                Ok(Resolved::Zeroed)
             }
             _ => {
                 self.faults.wake_only += 1;
-                self.uffd.wake(start, cs)
+                self.uffd.wake(start, cs)?;
+                Ok(Resolved::Woken)
             }
         }
     }

@@ -1,6 +1,10 @@
 //! Finding the pages of a range that a writer made private: a thin wrapper
 //! over the `PAGEMAP_SCAN` ioctl on `/proc/self/pagemap` (Linux 6.7+), with
-//! a fallback that reads the pagemap entries one by one.
+//! a fallback that reads the pagemap entries one by one; and write tracking
+//! ([`WriteTracker`]): a userfaultfd with `UFFD_FEATURE_WP_ASYNC` whose
+//! registered ranges make `PAGEMAP_SCAN` report the pages written since they
+//! were last write-protected ([`PageScanner::written_since`]), and
+//! write-protect them again in the same call.
 //!
 //! A page is "written" when it is present (or swapped out), not backed by a
 //! file page and not the shared zero page: exactly the pages the host kernel
@@ -15,6 +19,7 @@ use std::os::unix::io::AsRawFd;
 /// Page size the scanner works in.
 pub const PAGE_SIZE: u64 = 4096;
 
+const PAGE_IS_WRITTEN: u64 = 1 << 1;
 const PAGE_IS_FILE: u64 = 1 << 2;
 const PAGE_IS_PRESENT: u64 = 1 << 3;
 const PAGE_IS_SWAPPED: u64 = 1 << 4;
@@ -53,6 +58,11 @@ const PAGEMAP_SCAN: libc::c_ulong = (3 << 30)
     | ((b'f' as libc::c_ulong) << 8)
     | 16;
 
+/// Write-protect the pages that match (and were written).
+const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+/// Fail (EPERM) on a range not registered with a WP-async userfaultfd.
+const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+
 /// pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst).
 const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAPPED: u64 = 1 << 62;
@@ -79,6 +89,14 @@ pub enum PagemapError {
     },
     #[error("range {start:#x}..{end:#x} is not page aligned")]
     Unaligned { start: u64, end: u64 },
+    #[error("write tracking (userfaultfd with UFFD_FEATURE_WP_ASYNC, Linux 6.7+): {what}")]
+    Track {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{start:#x}..{end:#x} is not registered for write tracking")]
+    NotTracked { start: u64, end: u64 },
 }
 
 /// How the scanner finds written pages.
@@ -148,10 +166,59 @@ impl PageScanner {
         self.scan_read(start, end, out)
     }
 
+    /// Appends to `out` the page runs of `[start, end)` written since they
+    /// were last write-protected: private (anonymous, not the zero page)
+    /// pages whose userfaultfd write-protection a write removed. With
+    /// `protect`, the pages reported are write-protected again in the same
+    /// walk (atomically with the report: a write racing the scan either is
+    /// reported now or finds the page protected and is reported next time).
+    ///
+    /// The range must be registered with a [`WriteTracker`]
+    /// (`PM_SCAN_CHECK_WPASYNC`): otherwise [`PagemapError::NotTracked`].
+    /// Pages present before the registration count as written. Needs the
+    /// ioctl (no fallback: the read method cannot see write protection).
+    pub fn written_since(
+        &mut self,
+        start: u64,
+        end: u64,
+        protect: bool,
+        out: &mut Vec<(u64, u64)>,
+    ) -> Result<(), PagemapError> {
+        if !start.is_multiple_of(PAGE_SIZE) || !end.is_multiple_of(PAGE_SIZE) || end < start {
+            return Err(PagemapError::Unaligned { start, end });
+        }
+        let flags = if protect {
+            PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC
+        } else {
+            PM_SCAN_CHECK_WPASYNC
+        };
+        match self.scan_ioctl_with(start, end, flags, PAGE_IS_WRITTEN, out) {
+            Err(PagemapError::Scan { source, .. })
+                if source.raw_os_error() == Some(libc::EPERM) =>
+            {
+                Err(PagemapError::NotTracked { start, end })
+            }
+            r => r,
+        }
+    }
+
     fn scan_ioctl(
         &self,
         start: u64,
         end: u64,
+        out: &mut Vec<(u64, u64)>,
+    ) -> Result<(), PagemapError> {
+        self.scan_ioctl_with(start, end, 0, 0, out)
+    }
+
+    /// `PAGEMAP_SCAN` for present or swapped pages that are neither file
+    /// pages nor the zero page, and have every category of `required`.
+    fn scan_ioctl_with(
+        &self,
+        start: u64,
+        end: u64,
+        flags: u64,
+        required: u64,
         out: &mut Vec<(u64, u64)>,
     ) -> Result<(), PagemapError> {
         let mut vec = [PageRegion::default(); 256];
@@ -159,13 +226,14 @@ impl PageScanner {
         while cur < end {
             let mut arg = PmScanArg {
                 size: std::mem::size_of::<PmScanArg>() as u64,
+                flags,
                 start: cur,
                 end,
                 vec: vec.as_mut_ptr() as u64,
                 vec_len: vec.len() as u64,
                 // present or swapped, and neither a file page nor the zero page
                 category_inverted: PAGE_IS_FILE | PAGE_IS_PFNZERO,
-                category_mask: PAGE_IS_FILE | PAGE_IS_PFNZERO,
+                category_mask: PAGE_IS_FILE | PAGE_IS_PFNZERO | required,
                 category_anyof_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
                 return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
                 ..PmScanArg::default()
@@ -173,7 +241,10 @@ impl PageScanner {
             // SAFETY: `arg` is a correctly sized `pm_scan_arg` the kernel
             // reads and updates (`walk_end`); `vec` points to `vec_len`
             // writable `page_region`s that outlive the call. The scan reads
-            // page tables only and does not touch the scanned memory.
+            // page tables only and does not touch the scanned memory; with
+            // PM_SCAN_WP_MATCHING it also write-protects the pages it
+            // reports, which changes no content (a later write to them is
+            // resolved by the kernel: WP-async).
             let n = unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
             if n < 0 {
                 return Err(PagemapError::Scan {
@@ -230,6 +301,131 @@ impl PageScanner {
                 }
             }
             page += n;
+        }
+        Ok(())
+    }
+}
+
+const UFFD_API: u64 = 0xAA;
+const UFFDIO: libc::c_ulong = 0xAA;
+const IOC_WRITE: libc::c_ulong = 1;
+const IOC_READ: libc::c_ulong = 2;
+const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
+const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
+const UFFDIO_REGISTER_MODE_WP: u64 = 2;
+
+const fn uffd_ioc(dir: libc::c_ulong, nr: libc::c_ulong, size: usize) -> libc::c_ulong {
+    (dir << 30) | ((size as libc::c_ulong) << 16) | (UFFDIO << 8) | nr
+}
+
+/// `struct uffdio_api`.
+#[repr(C)]
+#[derive(Default)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+/// `struct uffdio_register` (`struct uffdio_range` inlined).
+#[repr(C)]
+#[derive(Default)]
+struct UffdioRegister {
+    start: u64,
+    len: u64,
+    mode: u64,
+    ioctls: u64,
+}
+
+const UFFDIO_API: libc::c_ulong = uffd_ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
+const UFFDIO_REGISTER: libc::c_ulong =
+    uffd_ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
+/// `USERFAULTFD_IOC_NEW` on `/dev/userfaultfd`: `_IO(0xAA, 0x00)`.
+const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
+
+/// Write tracking: a userfaultfd opened with `UFFD_FEATURE_WP_ASYNC` (and
+/// `WP_UNPOPULATED`, so anonymous ranges qualify too). Ranges registered
+/// with it in write-protect mode never produce events: the kernel resolves
+/// a write to a protected page itself and marks the page written, which
+/// [`PageScanner::written_since`] reports. Separate from the monitor's
+/// userfaultfd (missing faults of holes), which stays as it is; a range
+/// belongs to at most one of them. Closing it drops every registration.
+#[derive(Debug)]
+pub struct WriteTracker {
+    fd: std::os::fd::OwnedFd,
+}
+
+impl WriteTracker {
+    /// Opens the userfaultfd; fails when the kernel lacks WP-async
+    /// (before Linux 6.7) or userfaultfd is not allowed.
+    pub fn new() -> Result<WriteTracker, PagemapError> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        // SAFETY: the syscall takes one integer argument and returns a new
+        // fd or -1; no memory is passed.
+        let r = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+        let raw = if r >= 0 {
+            r as libc::c_int
+        } else {
+            let e = std::io::Error::last_os_error();
+            let dev = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/userfaultfd")
+                .map_err(|_| PagemapError::Track {
+                    what: "creating a userfaultfd",
+                    source: e,
+                })?;
+            // SAFETY: USERFAULTFD_IOC_NEW takes the flags as an integer
+            // argument and returns a new fd; `dev` is open for the call.
+            let r = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW as _, flags) };
+            if r < 0 {
+                return Err(PagemapError::Track {
+                    what: "creating a userfaultfd through /dev/userfaultfd",
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            r
+        };
+        // SAFETY: `raw` was just returned by the kernel and is owned by no
+        // one else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED,
+            ioctls: 0,
+        };
+        // SAFETY: `api` is a valid `uffdio_api` the kernel reads and writes
+        // back for the duration of the call.
+        let r = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut api) };
+        if r < 0 {
+            return Err(PagemapError::Track {
+                what: "UFFDIO_API with UFFD_FEATURE_WP_ASYNC",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(WriteTracker { fd })
+    }
+
+    /// Registers `[start, start + len)` (mapped memory: private file
+    /// mappings or anonymous memory not registered elsewhere) for write
+    /// tracking. Registering a range again is harmless.
+    pub fn register(&self, start: u64, len: u64) -> Result<(), PagemapError> {
+        let mut reg = UffdioRegister {
+            start,
+            len,
+            mode: UFFDIO_REGISTER_MODE_WP,
+            ioctls: 0,
+        };
+        // SAFETY: `reg` is a valid `uffdio_register`; registering changes
+        // only how write faults in the range are handled (WP-async: by the
+        // kernel, without events), not its content.
+        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER as _, &mut reg) };
+        if r < 0 {
+            return Err(PagemapError::Track {
+                what: "UFFDIO_REGISTER (write-protect mode)",
+                source: std::io::Error::last_os_error(),
+            });
         }
         Ok(())
     }

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use pcow::{ClusterSource, Image, PageLocation};
 
 use crate::monitor::{FaultCounters, MonitorError, Uffd};
-use crate::pagemap::{PageScanner, PagemapError, PAGE_SIZE};
+use crate::pagemap::{PageScanner, PagemapError, WriteTracker, PAGE_SIZE};
 
 /// Alignment of the region (a KVM memslot, as Cloud Hypervisor places it).
 pub const REGION_ALIGN: usize = 2 << 20;
@@ -441,6 +441,9 @@ pub fn vmas_in(start: u64, end: u64) -> Result<u64, RegionError> {
 pub(crate) struct RegionState {
     pub(crate) mapping: Reservation,
     pub(crate) uffd: Arc<Uffd>,
+    /// Write tracking of the private clusters (WP-async userfaultfd), or
+    /// `None`: every barrier then re-copies every private page.
+    pub(crate) tracker: Option<WriteTracker>,
     pub(crate) image: Image,
     pub(crate) clusters: Vec<ClusterState>,
     pub(crate) scanner: PageScanner,
@@ -560,16 +563,19 @@ impl RegionState {
         }
         drop(files);
         let scanner = PageScanner::new(opts.pagemap_read_fallback)?;
-        Ok(RegionState {
+        let mut st = RegionState {
             cs: image.cluster_size(),
             mapping,
             uffd: Arc::new(uffd),
+            tracker: None,
             image,
             clusters,
             scanner,
             faults: FaultCounters::default(),
             planned_vmas,
-        })
+        };
+        st.start_tracking(!opts.pagemap_read_fallback);
+        Ok(st)
     }
 }
 

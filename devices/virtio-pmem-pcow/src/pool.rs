@@ -1,0 +1,432 @@
+//! The pre-allocation worker: keeps the image's pool of reserved clusters
+//! full off the fault path, so that a write fault takes a cluster that is
+//! already backed by the file system instead of calling `fallocate` itself.
+//!
+//! The protocol ([`pcow::Image::pool_shortfall`] /
+//! [`pcow::Image::pool_reserved`]):
+//!
+//! 1. after serving faults (or a barrier), the monitor asks the image what
+//!    range of the file the pool lacks; when a quarter of the pool or more
+//!    is used and no request is in flight, it hands that range to the
+//!    worker;
+//! 2. the worker, a thread owning its own handle of the top file (a
+//!    `try_clone`: same open file description), `fallocate`s the range and
+//!    signals an eventfd;
+//! 3. the monitor, when the eventfd is readable (or when it next serves
+//!    faults), takes the completion and tells the image: only a range that
+//!    continues the file exactly is taken (a fault that ran the pool dry
+//!    grew the file itself meanwhile, and the worker's range is then inside
+//!    what the fault reserved).
+//!
+//! A failed `fallocate` (ENOSPC) is reported, not retried in a loop: the
+//! same range is not asked for again until the shortfall changes (a fault
+//! that manages to grow the file inline, once space was freed, changes
+//! it). A fault that then needs a cluster fails to grow the file, gets
+//! zeros (the monitor's fallback) and the condition shows in the device's
+//! status for the VMM.
+//!
+//! The worker's handle shares the writer's open file description, and so
+//! its `flock`: it must be closed (the worker stopped and joined) before
+//! the image closes or anyone reopens it. [`PoolCtl::stop`] does that and
+//! takes the last completions, so that the image's idea of its length
+//! covers everything the worker extended.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use pcow::Image;
+
+/// Bytes the image pre-allocates by default (the library's pool size).
+pub const DEFAULT_POOL_BYTES: u64 = 4 << 20;
+
+/// How a device keeps its pool of pre-allocated clusters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// Refill the pool from a worker thread (the default). Without it, the
+    /// write fault that runs the pool dry refills it inline.
+    pub worker: bool,
+    /// Clusters used before a refill is requested; default a quarter of
+    /// the pool (at least 1).
+    pub low_water: Option<u64>,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions {
+            worker: true,
+            low_water: None,
+        }
+    }
+}
+
+impl PoolOptions {
+    /// No worker: faults refill the pool inline (the old behaviour).
+    pub fn inline() -> Self {
+        PoolOptions {
+            worker: false,
+            low_water: None,
+        }
+    }
+}
+
+/// The pool as the API reports it.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// A worker thread refills the pool.
+    pub worker: bool,
+    /// Clusters the pool holds when full.
+    pub pool_clusters: u64,
+    /// Reserved clusters not yet used (at least; exact unless the pool was
+    /// shrunk).
+    pub free_clusters: u64,
+    /// A refill is being reserved by the worker now.
+    pub in_flight: bool,
+    /// Ranges the worker reserved and the image took.
+    pub refills: u64,
+    /// Bytes of those ranges.
+    pub refill_bytes: u64,
+    /// Ranges the worker reserved that the image no longer needed.
+    pub stale_refills: u64,
+    /// Write faults that had to grow the file themselves (the pool was
+    /// empty): each paid for a `fallocate` while the writer waited.
+    pub inline_allocations: u64,
+    /// Refills that failed (`fallocate` errors such as ENOSPC).
+    pub failures: u64,
+}
+
+/// A non-blocking, close-on-exec eventfd.
+#[derive(Debug)]
+pub(crate) struct EventFd(OwnedFd);
+
+impl EventFd {
+    pub(crate) fn new() -> io::Result<EventFd> {
+        // SAFETY: eventfd takes two integers and returns a new fd or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned by the kernel and nobody else owns it.
+        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Adds one to the counter (makes the fd readable).
+    fn signal(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live local buffer to our own fd.
+        let r = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        if r < 0 {
+            // Only EAGAIN (counter at its maximum) is possible, and then the
+            // fd is readable anyway.
+            log::debug!("pool eventfd: {}", io::Error::last_os_error());
+        }
+    }
+
+    /// Resets the counter (the fd stops being readable).
+    pub(crate) fn drain(&self) {
+        let mut buf = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live local buffer from our
+        // own non-blocking fd; EAGAIN (nothing pending) is fine.
+        unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    }
+}
+
+impl AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// One finished request.
+#[derive(Debug)]
+struct Done {
+    offset: u64,
+    len: u64,
+    result: io::Result<()>,
+}
+
+#[derive(Debug, Default)]
+struct ChanState {
+    request: Option<(u64, u64)>,
+    stop: bool,
+    done: Vec<Done>,
+}
+
+/// Between the device and its worker thread.
+#[derive(Debug, Default)]
+struct Chan {
+    state: Mutex<ChanState>,
+    cv: Condvar,
+}
+
+impl Chan {
+    fn lock(&self) -> MutexGuard<'_, ChanState> {
+        // The state is plain data, valid after any panic.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Debug)]
+struct Worker {
+    chan: Arc<Chan>,
+    handle: JoinHandle<()>,
+}
+
+/// `fallocate` of `[offset, offset + len)`, as the library's storage does
+/// it (a file system without fallocate gets the file extended instead).
+fn reserve(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(off), Ok(l)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return Err(io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    loop {
+        // SAFETY: fallocate only reads its integer arguments; `file` is
+        // open for the call.
+        let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, off, l) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EOPNOTSUPP) => {
+                if offset + len > file.metadata()?.len() {
+                    file.set_len(offset + len)?;
+                }
+                return Ok(());
+            }
+            _ => return Err(e),
+        }
+    }
+}
+
+fn worker_loop(file: File, chan: Arc<Chan>, efd: Arc<EventFd>) {
+    loop {
+        let (offset, len) = {
+            let mut s = chan.lock();
+            loop {
+                if s.stop {
+                    return;
+                }
+                if let Some(r) = s.request.take() {
+                    break r;
+                }
+                s = chan.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        let result = reserve(&file, offset, len);
+        chan.lock().done.push(Done {
+            offset,
+            len,
+            result,
+        });
+        efd.signal();
+    }
+}
+
+/// The device's side of the pool: the worker, its eventfd and counters.
+/// Lives next to the region state, under the same lock.
+#[derive(Debug)]
+pub(crate) struct PoolCtl {
+    efd: Option<Arc<EventFd>>,
+    worker: Option<Worker>,
+    in_flight: bool,
+    cs: u64,
+    pool_clusters: u64,
+    low_water: u64,
+    stats: PoolStatus,
+    /// The last refill or allocation failure, cleared by a refill that
+    /// succeeds.
+    error: Option<String>,
+    /// The range whose reservation failed last: not asked for again until
+    /// the shortfall changes (a fault that gets a cluster inline after
+    /// space was freed changes it), so a full disk costs one failed
+    /// `fallocate` per change, not one per fault.
+    failed: Option<(u64, u64)>,
+}
+
+impl PoolCtl {
+    /// A pool for clusters of `cs` bytes, `pool_clusters` of them when full.
+    /// Creates the eventfd (stable across worker restarts: the VMM
+    /// registers it once); the worker starts with [`PoolCtl::start`].
+    /// Without an eventfd (logged) the pool refills inline.
+    pub(crate) fn new(opts: &PoolOptions, cs: u64, pool_clusters: u64) -> PoolCtl {
+        let efd = match opts.worker.then(EventFd::new) {
+            Some(Ok(e)) => Some(Arc::new(e)),
+            Some(Err(e)) => {
+                log::warn!("no pre-allocation worker (eventfd: {e}), the pool refills inline");
+                None
+            }
+            None => None,
+        };
+        PoolCtl {
+            efd,
+            worker: None,
+            in_flight: false,
+            cs,
+            pool_clusters,
+            low_water: opts
+                .low_water
+                .unwrap_or(pool_clusters / 4)
+                .clamp(1, pool_clusters.max(1)),
+            stats: PoolStatus {
+                pool_clusters,
+                ..PoolStatus::default()
+            },
+            error: None,
+            failed: None,
+        }
+    }
+
+    pub(crate) fn efd(&self) -> Option<Arc<EventFd>> {
+        self.efd.clone()
+    }
+
+    pub(crate) fn pool_clusters(&self) -> u64 {
+        self.pool_clusters
+    }
+
+    /// Starts a worker on its own handle of `image`'s file (no-op without
+    /// a worker, or when one runs).
+    pub(crate) fn start(&mut self, image: &Image) -> io::Result<()> {
+        let Some(efd) = self.efd.clone() else {
+            return Ok(());
+        };
+        if self.worker.is_some() {
+            return Ok(());
+        }
+        let file = image
+            .file()
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))?
+            .try_clone()?;
+        let chan = Arc::new(Chan::default());
+        let c = chan.clone();
+        let handle = std::thread::Builder::new()
+            .name("pcow-pool".into())
+            .spawn(move || worker_loop(file, c, efd))?;
+        self.worker = Some(Worker { chan, handle });
+        self.in_flight = false;
+        Ok(())
+    }
+
+    /// Stops and joins the worker (its file handle closes with it) and
+    /// gives its last completions to `image`.
+    pub(crate) fn stop(&mut self, image: &mut Image) {
+        let Some(w) = self.worker.take() else {
+            return;
+        };
+        {
+            let mut s = w.chan.lock();
+            s.stop = true;
+            s.request = None;
+        }
+        w.chan.cv.notify_all();
+        if w.handle.join().is_err() {
+            log::error!("pool worker panicked");
+        }
+        let done = std::mem::take(&mut w.chan.lock().done);
+        self.take_done(done, image);
+        self.in_flight = false;
+    }
+
+    /// Gives finished refills to `image`; returns how many.
+    pub(crate) fn apply(&mut self, image: &mut Image) -> usize {
+        let Some(w) = &self.worker else {
+            return 0;
+        };
+        let done = std::mem::take(&mut w.chan.lock().done);
+        self.take_done(done, image)
+    }
+
+    fn take_done(&mut self, done: Vec<Done>, image: &mut Image) -> usize {
+        let n = done.len();
+        for d in done {
+            self.in_flight = false;
+            match d.result {
+                Ok(()) => {
+                    if image.pool_reserved(d.offset, d.len) {
+                        self.stats.refills += 1;
+                        self.stats.refill_bytes += d.len;
+                        self.error = None;
+                        self.failed = None;
+                    } else {
+                        self.stats.stale_refills += 1;
+                    }
+                }
+                Err(e) => {
+                    self.stats.failures += 1;
+                    let msg = format!(
+                        "{}: pre-allocating {} bytes at {:#x}: {e}",
+                        image.path().display(),
+                        d.len,
+                        d.offset
+                    );
+                    if self.error.is_none() {
+                        log::error!("{msg}");
+                    }
+                    self.error = Some(msg);
+                    self.failed = Some((d.offset, d.len));
+                }
+            }
+        }
+        n
+    }
+
+    /// Asks the worker to refill when the pool is low and no request is in
+    /// flight. Returns whether a request was made.
+    pub(crate) fn request(&mut self, image: &Image) -> bool {
+        let Some(w) = &self.worker else {
+            return false;
+        };
+        if self.in_flight {
+            return false;
+        }
+        let Some((offset, len)) = image.pool_shortfall() else {
+            return false;
+        };
+        if len / self.cs < self.low_water || self.failed == Some((offset, len)) {
+            return false;
+        }
+        w.chan.lock().request = Some((offset, len));
+        w.chan.cv.notify_one();
+        self.in_flight = true;
+        true
+    }
+
+    /// A write fault grew the file itself.
+    pub(crate) fn note_inline(&mut self) {
+        self.stats.inline_allocations += 1;
+    }
+
+    /// A write fault could not get a cluster.
+    pub(crate) fn note_failure(&mut self, msg: String) {
+        self.error = Some(msg);
+    }
+
+    pub(crate) fn error(&self) -> Option<String> {
+        self.error.clone()
+    }
+
+    pub(crate) fn status(&self, image: &Image) -> PoolStatus {
+        let missing = image.pool_shortfall().map_or(0, |(_, len)| len / self.cs);
+        PoolStatus {
+            worker: self.worker.is_some(),
+            free_clusters: self.pool_clusters.saturating_sub(missing),
+            in_flight: self.in_flight,
+            ..self.stats.clone()
+        }
+    }
+}
+
+impl Drop for PoolCtl {
+    fn drop(&mut self) {
+        // Normally stopped by the device state (which gives the last
+        // completions to the image); never leave the thread behind.
+        if let Some(w) = self.worker.take() {
+            w.chan.lock().stop = true;
+            w.chan.cv.notify_all();
+            let _ = w.handle.join();
+        }
+    }
+}
