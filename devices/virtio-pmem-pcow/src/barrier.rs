@@ -243,7 +243,7 @@ impl RegionState {
     /// Tracks `[vcn, end)` (just mapped private); on failure gives up
     /// tracking for the whole region (barriers then re-copy every private
     /// page, which stays correct).
-    fn track(&mut self, vcn: u64, end: u64) {
+    pub(crate) fn track(&mut self, vcn: u64, end: u64) {
         let Some(t) = &self.tracker else {
             return;
         };

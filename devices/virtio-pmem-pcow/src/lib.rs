@@ -14,9 +14,12 @@
 //! fault path and signals an eventfd the monitor exposes as its second fd.
 //! [`pagemap`] wraps `PAGEMAP_SCAN`.
 //!
-//! Not here yet: per-4-KiB harvest (the barrier copies
-//! whole clusters), and write tracking whose cost follows the pages
-//! written (the barrier scans the whole region's page tables).
+//! Copy-on-write pages are found with userfaultfd write-protect-async
+//! tracking and `PAGEMAP_SCAN`, and stored per 4 KiB page. Not here yet: a
+//! barrier whose cost is independent of how much of a read-only layer the
+//! guest has mapped (the scan still walks present page-table entries), and
+//! a check of the write tracking under KVM (tests play the guest with host
+//! threads).
 #![warn(missing_docs)]
 
 pub mod barrier;

@@ -681,7 +681,7 @@ fn switch(
             for v in r.vcn..r.vcn + r.count {
                 dev.region.clusters[v as usize] = ClusterState::Private;
             }
-            track(&mut dev.region, r.vcn, r.vcn + r.count);
+            dev.region.track(r.vcn, r.vcn + r.count);
         }
         Ok(())
     })();
@@ -710,20 +710,6 @@ fn switch(
             created,
             &remapped,
         )),
-    }
-}
-
-/// Registers a range just mapped private with the barrier's write tracking
-/// (as the barrier's own `track` does): writes to it are copy-on-write from
-/// now on and the next barrier must find them.
-fn track(st: &mut RegionState, vcn: u64, end: u64) {
-    let Some(t) = &st.tracker else {
-        return;
-    };
-    let base = st.mapping.base();
-    if let Err(e) = t.register(base + vcn * st.cs, (end - vcn) * st.cs) {
-        log::warn!("write tracking stopped, barriers re-copy every private page: {e}");
-        st.tracker = None;
     }
 }
 
