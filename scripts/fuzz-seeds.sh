@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Seed corpora for the fuzz targets (docs/fuzzing.md), made with the real
+# writer: builds pcow-img (`cargo build --release -p pcow`), creates images
+# (empty, written, with snapshots, compacted, resized, with a base chain, a
+# raw base, a cycle; 4K, 16K, 64K and 2M clusters) in a temporary directory
+# and copies them into fuzz/corpus/<target>/ as seed-* files (git-ignored;
+# nothing binary is committed). Existing non-seed corpus files are kept.
+#
+# Sizes stay small (< 1 MiB per target): 2 MiB-cluster images are only
+# seeded as their first 8 KiB (header slot A), and the chain inputs use
+# 4 KiB clusters.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$(pwd)
+die() { printf 'fuzz-seeds.sh: error: %s\n' "$*" >&2; exit 1; }
+
+cargo build --release -p pcow --bin pcow-img >&2 || die "cannot build pcow-img"
+img="${CARGO_TARGET_DIR:-$root/target}/release/pcow-img"
+[ -x "$img" ] || die "$img not found"
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+p() { "$img" "$@" >/dev/null; }
+# w IMAGE 'write -P B OFF LEN' ...: qemu-io style writes.
+w() {
+    local f=$1 c args=()
+    shift
+    for c in "$@"; do args+=(-c "$c"); done
+    p io "${args[@]}" "$f"
+}
+
+open_dir="$root/fuzz/corpus/image_open"
+chain_dir="$root/fuzz/corpus/image_chain"
+ops_dir="$root/fuzz/corpus/image_ops"
+mkdir -p "$open_dir" "$chain_dir" "$ops_dir"
+rm -f "$open_dir"/seed-* "$chain_dir"/seed-* "$ops_dir"/seed-*
+
+# ------------------------------------------------------------ image_open
+cd "$tmp"
+p create -c 4K empty-4k.pcow 1M
+p create -c 64K empty-64k.pcow 1M
+p create -c 16K empty-16k.pcow 256K
+
+p create -c 4K written-4k.pcow 1M
+w written-4k.pcow 'write -P 0xab 0 4K' 'write -P 0x11 6K 3K' 'write -P 0x22 512K 8K' 'flush'
+
+p create -c 4K snaps-4k.pcow 512K
+w snaps-4k.pcow 'write -P 0x01 0 12K'
+p snapshot -c one snaps-4k.pcow
+w snaps-4k.pcow 'write -P 0x02 4K 4K' 'write -P 0x03 256K 4K'
+p snapshot -c two snaps-4k.pcow
+w snaps-4k.pcow 'write -P 0x04 8K 1K'
+p snapshot -a one snaps-4k.pcow
+w snaps-4k.pcow 'write -P 0x05 100K 4K'
+p snapshot -d two snaps-4k.pcow
+
+p create -c 16K snaps-16k.pcow 256K
+w snaps-16k.pcow 'write -P 0x31 0 20K'
+p snapshot -c s1 snaps-16k.pcow
+w snaps-16k.pcow 'write -P 0x32 16K 4K'
+cp snaps-16k.pcow compacted-16k.pcow
+p snapshot -a s1 compacted-16k.pcow
+p compact compacted-16k.pcow
+p resize snaps-16k.pcow +64K
+
+p create -c 64K written-64k.pcow 1M
+w written-64k.pcow 'write -P 0x41 68K 4K'
+
+p create -c 4K base-4k.pcow 256K
+w base-4k.pcow 'write -P 0x51 0 8K'
+p create -c 4K -b base-4k.pcow -F pcow overlay-4k.pcow
+w overlay-4k.pcow 'write -P 0x52 4K 4K'
+
+p create -c 2M empty-2m.pcow 4M
+head -c 8192 empty-2m.pcow >trunc-2m.pcow
+
+for f in empty-4k empty-64k empty-16k written-4k snaps-4k snaps-16k compacted-16k \
+    written-64k base-4k overlay-4k trunc-2m; do
+    cp "$f.pcow" "$open_dir/seed-$f"
+done
+
+# ------------------------------------------------------------ image_chain
+# Layout: byte 0 (even: 2 files, odd: 3), then u32 LE lengths of all files
+# but the last, then the files a, b[, c].
+# The format string is built on purpose (\xNN escapes).
+# shellcheck disable=SC2059
+le32() { printf "\\x$(printf %02x $(($1 & 255)))\\x$(printf %02x $((($1 >> 8) & 255)))\\x$(printf %02x $((($1 >> 16) & 255)))\\x$(printf %02x $((($1 >> 24) & 255)))"; }
+size() { stat -c %s "$1"; }
+chain2() { # OUT A B
+    { printf '\x00'; le32 "$(size "$2")"; cat "$2" "$3"; } >"$1"
+}
+chain3() { # OUT A B C
+    { printf '\x01'; le32 "$(size "$2")"; le32 "$(size "$3")"; cat "$2" "$3" "$4"; } >"$1"
+}
+
+# Each chain in its own directory, with the names the target uses.
+chain() { rm -rf "$tmp/chain" && mkdir "$tmp/chain" && cd "$tmp/chain"; }
+chain # a -> b -> c, all pcow, a snapshot in b
+p create -c 4K c 128K
+w c 'write -P 0x61 0 8K'
+p create -c 4K -b c -F pcow b
+w b 'write -P 0x62 4K 4K'
+p snapshot -c sb b
+p create -c 4K -b b a
+w a 'write -P 0x63 8K 4K'
+chain3 "$chain_dir/seed-pcow3" a b c
+rm c && cp b c # c is a copy of b, so it names itself: a cycle below the top
+chain3 "$chain_dir/seed-pcow3-copy" a b c
+chain # a -> b, pcow, larger overlay
+p create -c 4K b 64K
+w b 'write -P 0x65 0 64K'
+p create -c 4K -b b -F pcow a 128K
+w a 'write -P 0x66 60K 8K'
+chain2 "$chain_dir/seed-pcow2" a b
+chain # a -> b -> c raw
+head -c 65536 /dev/zero | tr '\0' '\141' >c
+p create -c 4K -b c -F raw b 128K
+w b 'write -P 0x64 0 4K'
+p create -c 4K -b b a
+chain3 "$chain_dir/seed-raw3" a b c
+chain # a -> b raw (probed)
+head -c 12288 /dev/zero | tr '\0' '\142' >b
+p create -c 4K -b b a 16K
+chain2 "$chain_dir/seed-raw2" a b
+chain # a cycle: a names b, b names a (unsafe rebase only rewrites the name)
+p create -c 4K b 64K
+p create -c 4K -b b a
+p rebase -u -b a b 2>/dev/null || true
+chain2 "$chain_dir/seed-cycle" a b
+chain # a names itself
+p create -c 4K a 64K
+p rebase -u -b a a 2>/dev/null || true
+chain2 "$chain_dir/seed-self" a a
+chain # the top names a missing base
+p create -c 4K d 64K
+p create -c 4K -b d a
+chain2 "$chain_dir/seed-missing" a a
+cd "$tmp"
+
+# ------------------------------------------------------------ image_ops
+# Structured inputs (arbitrary): any bytes decode to some sequence; these
+# give the fuzzer a start with each cluster size and long sequences.
+for i in 0 1 2 3; do
+    # shellcheck disable=SC2059
+    { printf "\\x$(printf %02x "$i")\\x03"; head -c 512 /dev/urandom; } >"$ops_dir/seed-c$i"
+done
+for n in 64 256 1024; do
+    head -c "$n" /dev/urandom >"$ops_dir/seed-rand$n"
+done
+
+cd "$root"
+for t in image_open image_chain image_ops; do
+    printf '%-12s %3d seeds, %7d bytes\n' "$t" \
+        "$(find "fuzz/corpus/$t" -name 'seed-*' | wc -l)" \
+        "$(cat fuzz/corpus/$t/seed-* | wc -c)"
+done

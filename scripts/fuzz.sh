@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Runs every fuzz target of fuzz/ for a bounded time (docs/fuzzing.md).
+#
+#   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
+#
+# Default: 30 s per target, all targets, one after the other. Installs
+# cargo-fuzz when it is missing, makes the seed corpora
+# (scripts/fuzz-seeds.sh), builds the targets with AddressSanitizer on the
+# stable toolchain (RUSTC_BOOTSTRAP=1, see the doc), and runs each with a
+# per-input timeout of 10 s and an RSS limit of 2 GiB. Exits non-zero when
+# any target crashed, leaked, timed out or ran out of memory; the input is
+# in fuzz/artifacts/<target>/. Prints executions/s and coverage (libFuzzer's
+# cov: edges and ft: features) per target.
+#
+# Environment: FUZZ_SANITIZER (address; none is faster and finds panics,
+# hangs and OOMs only), FUZZ_ARGS (more libFuzzer flags).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$(pwd)
+die() { printf 'fuzz.sh: error: %s\n' "$*" >&2; exit 1; }
+
+secs=${1:-30}
+shift || true
+case "$secs" in '' | *[!0-9]*) die "SECONDS_PER_TARGET must be a number, got '$secs'" ;; esac
+all_targets=(image_open image_chain image_ops)
+if [ "$#" -eq 0 ]; then targets=("${all_targets[@]}"); else targets=("$@"); fi
+sanitizer=${FUZZ_SANITIZER:-address}
+
+# cargo-fuzz passes nightly flags (-Zsanitizer, -Cpasses=sancov-module,
+# -Zbuild-std when asked): RUSTC_BOOTSTRAP=1 lets the stable compiler take
+# them.
+export RUSTC_BOOTSTRAP=1
+
+max_len() {
+    case "$1" in
+        image_ops) echo 4096 ;;
+        *) echo 262144 ;;
+    esac
+}
+
+if ! cargo fuzz --version >/dev/null 2>&1; then
+    echo "==> installing cargo-fuzz"
+    cargo install cargo-fuzz --version 0.13.2 --locked
+fi
+echo "cargo-fuzz: $(cargo fuzz --version)"
+
+echo "==> seeds"
+bash scripts/fuzz-seeds.sh
+
+echo "==> building the targets (sanitizer: $sanitizer)"
+(cd fuzz && cargo fuzz build -O -a -s "$sanitizer")
+
+logs="$root/fuzz/logs"
+mkdir -p "$logs"
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+    echo "==> $t: ${secs} s"
+    log="$logs/$t.log"
+    mkdir -p "fuzz/corpus/$t"
+    rc=0
+    # shellcheck disable=SC2086
+    (cd fuzz && cargo fuzz run -O -a -s "$sanitizer" "$t" "corpus/$t" -- \
+        -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
+        -max_len="$(max_len "$t")" -print_final_stats=1 ${FUZZ_ARGS:-}) \
+        >"$log" 2>&1 || rc=$?
+    # The last status line has cov: and ft:; the final stats have exec/s.
+    status=$(grep -E '^#[0-9]+' "$log" | grep 'cov:' | tail -n1 || true)
+    cov=$(sed -nE 's/.* cov: ([0-9]+).*/\1/p' <<<"$status")
+    ft=$(sed -nE 's/.* ft: ([0-9]+).*/\1/p' <<<"$status")
+    corp=$(sed -nE 's/.* corp: ([0-9]+\/[0-9a-zA-Z]+).*/\1/p' <<<"$status")
+    execs=$(sed -nE 's/^stat::number_of_executed_units: *([0-9]+)/\1/p' "$log" | tail -n1)
+    eps=$(sed -nE 's/^stat::average_exec_per_sec: *([0-9]+)/\1/p' "$log" | tail -n1)
+    rss=$(sed -nE 's/^stat::peak_rss_mb: *([0-9]+)/\1/p' "$log" | tail -n1)
+    line=$(printf '%-12s exec/s %6s  cov %5s  ft %6s  corpus %-12s runs %9s  rss %5s MB' \
+        "$t" "${eps:-?}" "${cov:-?}" "${ft:-?}" "${corp:-?}" "${execs:-?}" "${rss:-?}")
+    if [ "$rc" -ne 0 ]; then
+        line+="  FAILED (exit $rc)"
+        failed+=("$t")
+        grep -E 'ERROR: libFuzzer|ERROR: AddressSanitizer|ERROR: LeakSanitizer|panicked at|Test unit written|SUMMARY' "$log" | head -n 20 || true
+    fi
+    echo "$line"
+    summary+=("$line")
+done
+
+# Scratch files of the chain and ops targets (tmpfs).
+rm -rf /dev/shm/pcow-fuzz "${TMPDIR:-/tmp}/pcow-fuzz" 2>/dev/null || true
+
+echo
+echo "==> summary (${secs} s per target, sanitizer $sanitizer; logs in fuzz/logs/)"
+printf '%s\n' "${summary[@]}"
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "fuzz.sh: FAILED: ${failed[*]} (inputs in fuzz/artifacts/)" >&2
+    exit 1
+fi
+echo "fuzz.sh: no crash, leak, timeout or OOM"
