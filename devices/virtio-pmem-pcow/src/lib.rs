@@ -31,6 +31,7 @@ pub mod pool;
 pub mod raw;
 pub mod region;
 pub mod request;
+mod uffd;
 
 pub use barrier::{BarrierError, BarrierStats, Quiesce, WriteGate};
 pub use device::{FlushBackend, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE};

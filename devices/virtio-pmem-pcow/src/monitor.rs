@@ -14,73 +14,18 @@
 //!   a queued event raced a resolution) only wakes: one allocation per
 //!   cluster however many threads fault it.
 //!
-//! userfaultfd is driven with raw `libc` ioctls (structures from the
-//! kernel's `include/uapi/linux/userfaultfd.h`) rather than the
-//! `userfaultfd` crate, whose bindgen build needs libclang on every machine:
-//! we need five ioctls and one message layout.
+//! userfaultfd is driven with raw ioctls ([`crate::uffd`]).
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 
 use crate::pcow_device::DeviceState;
 use crate::pool::EventFd;
 use crate::region::{ClusterState, RegionState};
-
-const UFFD_API: u64 = 0xAA;
-const UFFDIO: libc::c_ulong = 0xAA;
-const IOC_WRITE: libc::c_ulong = 1;
-const IOC_READ: libc::c_ulong = 2;
-
-const fn ioc(dir: libc::c_ulong, nr: libc::c_ulong, size: usize) -> libc::c_ulong {
-    (dir << 30) | ((size as libc::c_ulong) << 16) | (UFFDIO << 8) | nr
-}
-
-/// `struct uffdio_api`.
-#[repr(C)]
-#[derive(Default)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-/// `struct uffdio_range`.
-#[repr(C)]
-#[derive(Default, Clone, Copy)]
-struct UffdioRange {
-    start: u64,
-    len: u64,
-}
-
-/// `struct uffdio_register`.
-#[repr(C)]
-#[derive(Default)]
-struct UffdioRegister {
-    range: UffdioRange,
-    mode: u64,
-    ioctls: u64,
-}
-
-/// `struct uffdio_zeropage`.
-#[repr(C)]
-#[derive(Default)]
-struct UffdioZeropage {
-    range: UffdioRange,
-    mode: u64,
-    zeropage: i64,
-}
-
-const UFFDIO_API: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
-const UFFDIO_REGISTER: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
-const UFFDIO_WAKE: libc::c_ulong = ioc(IOC_READ, 0x02, size_of::<UffdioRange>());
-const UFFDIO_ZEROPAGE: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x04, size_of::<UffdioZeropage>());
-/// `USERFAULTFD_IOC_NEW` on `/dev/userfaultfd`: `_IO(0xAA, 0x00)`.
-const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
-const UFFDIO_REGISTER_MODE_MISSING: u64 = 1;
-const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
-const UFFD_PAGEFAULT_FLAG_WRITE: u64 = 1;
-/// `sizeof(struct uffd_msg)` (packed).
-const MSG_SIZE: usize = 32;
+use crate::uffd::{
+    self, UffdioRange, UffdioZeropage, EVENT_PAGEFAULT, MODE_MISSING, MSG_SIZE,
+    PAGEFAULT_FLAG_WRITE, UFFDIO_WAKE, UFFDIO_ZEROPAGE,
+};
 
 /// Errors of the userfaultfd and of fault resolution.
 #[allow(missing_docs)] // the messages document the variants
@@ -132,49 +77,13 @@ pub(crate) enum ZeroOutcome {
 }
 
 impl Uffd {
-    /// Opens a userfaultfd that also sees faults taken in kernel mode (KVM
-    /// accesses guest memory through `get_user_pages`).
+    /// Opens a userfaultfd for missing-page faults (see [`uffd::open`]).
     pub fn new() -> Result<Uffd, MonitorError> {
-        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
-        // SAFETY: the syscall takes one integer argument and returns a new
-        // fd or -1; no memory is passed.
-        let r = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
-        let fd = if r >= 0 {
-            r as RawFd
-        } else {
-            let e = std::io::Error::last_os_error();
-            Self::from_dev(flags).map_err(|_| MonitorError::Create(e))?
-        };
-        // SAFETY: `fd` was just returned by the kernel and is owned by no
-        // one else.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let uffd = Uffd { fd };
-        let mut api = UffdioApi {
-            api: UFFD_API,
-            ..UffdioApi::default()
-        };
-        // SAFETY: `api` is a valid `uffdio_api` the kernel reads and writes
-        // back for the duration of the call.
-        let r = unsafe { libc::ioctl(uffd.fd.as_raw_fd(), UFFDIO_API as _, &mut api) };
-        if r < 0 {
-            return Err(MonitorError::Api(std::io::Error::last_os_error()));
-        }
-        Ok(uffd)
-    }
-
-    /// `/dev/userfaultfd` (Linux 6.1+), for users the sysctl does not allow.
-    fn from_dev(flags: libc::c_int) -> std::io::Result<RawFd> {
-        let dev = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open("/dev/userfaultfd")?;
-        // SAFETY: USERFAULTFD_IOC_NEW takes the flags as an integer argument
-        // and returns a new fd; `dev` is open for the call.
-        let r = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW as _, flags) };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(r)
+        let fd = uffd::open(0).map_err(|e| match e {
+            uffd::OpenError::Create(e) => MonitorError::Create(e),
+            uffd::OpenError::Api(e) => MonitorError::Api(e),
+        })?;
+        Ok(Uffd { fd })
     }
 
     fn ioctl_err(op: &'static str, start: u64, len: u64) -> MonitorError {
@@ -189,18 +98,12 @@ impl Uffd {
     /// Registers `[start, start + len)` (anonymous memory) for missing-page
     /// faults.
     pub(crate) fn register_missing(&self, start: u64, len: u64) -> Result<(), MonitorError> {
-        let mut reg = UffdioRegister {
-            range: UffdioRange { start, len },
-            mode: UFFDIO_REGISTER_MODE_MISSING,
-            ioctls: 0,
-        };
-        // SAFETY: `reg` is a valid `uffdio_register`; registering changes
-        // only how faults in the range are served, not its content.
-        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER as _, &mut reg) };
-        if r < 0 {
-            return Err(Self::ioctl_err("UFFDIO_REGISTER", start, len));
-        }
-        Ok(())
+        uffd::register(&self.fd, start, len, MODE_MISSING).map_err(|source| MonitorError::Ioctl {
+            op: "UFFDIO_REGISTER",
+            start,
+            len,
+            source,
+        })
     }
 
     /// Wakes the threads waiting on faults in the range.
@@ -381,7 +284,7 @@ impl Monitor {
             let mut g = self.lock()?;
             let dev = &mut *g;
             for m in buf[..n * MSG_SIZE].chunks_exact(MSG_SIZE) {
-                if m[0] != UFFD_EVENT_PAGEFAULT {
+                if m[0] != EVENT_PAGEFAULT {
                     continue;
                 }
                 let word = |at: usize| {
@@ -394,7 +297,7 @@ impl Monitor {
                 let before = dev.region.image.pool_shortfall();
                 match dev
                     .region
-                    .resolve_fault(addr, flags & UFFD_PAGEFAULT_FLAG_WRITE != 0)
+                    .resolve_fault(addr, flags & PAGEFAULT_FLAG_WRITE != 0)
                 {
                     // The pool had a shortfall and has none now: the fault's
                     // allocation grew the file by a whole pool itself (a

@@ -12,6 +12,7 @@
 //! write into anonymous memory. The structures below are those of the
 //! kernel's `include/uapi/linux/fs.h`.
 
+use crate::uffd;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
@@ -306,43 +307,6 @@ impl PageScanner {
     }
 }
 
-const UFFD_API: u64 = 0xAA;
-const UFFDIO: libc::c_ulong = 0xAA;
-const IOC_WRITE: libc::c_ulong = 1;
-const IOC_READ: libc::c_ulong = 2;
-const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
-const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
-const UFFDIO_REGISTER_MODE_WP: u64 = 2;
-
-const fn uffd_ioc(dir: libc::c_ulong, nr: libc::c_ulong, size: usize) -> libc::c_ulong {
-    (dir << 30) | ((size as libc::c_ulong) << 16) | (UFFDIO << 8) | nr
-}
-
-/// `struct uffdio_api`.
-#[repr(C)]
-#[derive(Default)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-/// `struct uffdio_register` (`struct uffdio_range` inlined).
-#[repr(C)]
-#[derive(Default)]
-struct UffdioRegister {
-    start: u64,
-    len: u64,
-    mode: u64,
-    ioctls: u64,
-}
-
-const UFFDIO_API: libc::c_ulong = uffd_ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
-const UFFDIO_REGISTER: libc::c_ulong =
-    uffd_ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
-/// `USERFAULTFD_IOC_NEW` on `/dev/userfaultfd`: `_IO(0xAA, 0x00)`.
-const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
-
 /// Write tracking: a userfaultfd opened with `UFFD_FEATURE_WP_ASYNC` (and
 /// `WP_UNPOPULATED`, so anonymous ranges qualify too). Ranges registered
 /// with it in write-protect mode never produce events: the kernel resolves
@@ -359,51 +323,18 @@ impl WriteTracker {
     /// Opens the userfaultfd; fails when the kernel lacks WP-async
     /// (before Linux 6.7) or userfaultfd is not allowed.
     pub fn new() -> Result<WriteTracker, PagemapError> {
-        use std::os::fd::{FromRawFd, OwnedFd};
-        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
-        // SAFETY: the syscall takes one integer argument and returns a new
-        // fd or -1; no memory is passed.
-        let r = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
-        let raw = if r >= 0 {
-            r as libc::c_int
-        } else {
-            let e = std::io::Error::last_os_error();
-            let dev = std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open("/dev/userfaultfd")
-                .map_err(|_| PagemapError::Track {
+        let fd = uffd::open(uffd::FEATURE_WP_ASYNC | uffd::FEATURE_WP_UNPOPULATED).map_err(
+            |e| match e {
+                uffd::OpenError::Create(source) => PagemapError::Track {
                     what: "creating a userfaultfd",
-                    source: e,
-                })?;
-            // SAFETY: USERFAULTFD_IOC_NEW takes the flags as an integer
-            // argument and returns a new fd; `dev` is open for the call.
-            let r = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW as _, flags) };
-            if r < 0 {
-                return Err(PagemapError::Track {
-                    what: "creating a userfaultfd through /dev/userfaultfd",
-                    source: std::io::Error::last_os_error(),
-                });
-            }
-            r
-        };
-        // SAFETY: `raw` was just returned by the kernel and is owned by no
-        // one else.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let mut api = UffdioApi {
-            api: UFFD_API,
-            features: UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED,
-            ioctls: 0,
-        };
-        // SAFETY: `api` is a valid `uffdio_api` the kernel reads and writes
-        // back for the duration of the call.
-        let r = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API as _, &mut api) };
-        if r < 0 {
-            return Err(PagemapError::Track {
-                what: "UFFDIO_API with UFFD_FEATURE_WP_ASYNC",
-                source: std::io::Error::last_os_error(),
-            });
-        }
+                    source,
+                },
+                uffd::OpenError::Api(source) => PagemapError::Track {
+                    what: "UFFDIO_API with UFFD_FEATURE_WP_ASYNC",
+                    source,
+                },
+            },
+        )?;
         Ok(WriteTracker { fd })
     }
 
@@ -411,22 +342,11 @@ impl WriteTracker {
     /// mappings or anonymous memory not registered elsewhere) for write
     /// tracking. Registering a range again is harmless.
     pub fn register(&self, start: u64, len: u64) -> Result<(), PagemapError> {
-        let mut reg = UffdioRegister {
-            start,
-            len,
-            mode: UFFDIO_REGISTER_MODE_WP,
-            ioctls: 0,
-        };
-        // SAFETY: `reg` is a valid `uffdio_register`; registering changes
-        // only how write faults in the range are handled (WP-async: by the
-        // kernel, without events), not its content.
-        let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER as _, &mut reg) };
-        if r < 0 {
-            return Err(PagemapError::Track {
-                what: "UFFDIO_REGISTER (write-protect mode)",
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        Ok(())
+        // WP-async: the kernel resolves write faults in the range itself,
+        // without events; the content does not change.
+        uffd::register(&self.fd, start, len, uffd::MODE_WP).map_err(|source| PagemapError::Track {
+            what: "UFFDIO_REGISTER (write-protect mode)",
+            source,
+        })
     }
 }
