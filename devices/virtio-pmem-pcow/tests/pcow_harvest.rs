@@ -5,70 +5,17 @@
 //! since the previous one. Host threads play the guest; results are read
 //! back through the pcow library.
 
+mod common;
+
+use common::*;
+
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Instant;
 
-use pcow::{BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, OpenOptions, PageLocation};
-use virtio_pmem_pcow::monitor::Uffd;
+use pcow::{ClusterSource, Image, OpenOptions, PageLocation};
 use virtio_pmem_pcow::pagemap::PageScanner;
-use virtio_pmem_pcow::{Monitor, PcowRegion, RegionOptions, WriteGate};
-
-const K64: u64 = 64 << 10;
-const PAGE: u64 = 4096;
-
-fn uffd_or_skip(test: &str) -> bool {
-    match Uffd::new() {
-        Ok(_) => true,
-        Err(e) => {
-            eprintln!("SKIPPED {test}: userfaultfd unavailable: {e}");
-            false
-        }
-    }
-}
-
-/// The monitor on its own thread, polling its fd like an epoll loop.
-struct MonitorThread {
-    stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<Monitor>>,
-}
-
-impl MonitorThread {
-    fn spawn(m: Monitor) -> MonitorThread {
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        let handle = std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                let mut pfd = libc::pollfd {
-                    fd: m.fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one valid pollfd for the call.
-                let r = unsafe { libc::poll(&mut pfd, 1, 20) };
-                if r > 0 {
-                    m.handle_ready().expect("monitor");
-                }
-            }
-            m
-        });
-        MonitorThread {
-            stop,
-            handle: Some(handle),
-        }
-    }
-}
-
-impl Drop for MonitorThread {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-    }
-}
+use virtio_pmem_pcow::{PcowRegion, RegionOptions, WriteGate};
 
 struct Rig {
     region: PcowRegion,
@@ -120,33 +67,6 @@ impl Rig {
         drop(self.monitor.take());
         drop(self.region);
     }
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn create(path: &Path, size: u64, cs: u64, base: Option<&str>) -> Image {
-    Image::create(
-        path,
-        &CreateOptions {
-            cluster_size: Some(cs),
-            virtual_size: Some(size),
-            base: base.map(|b| BaseRef {
-                name: b.into(),
-                format: BaseFormat::Probe,
-            }),
-        },
-    )
-    .expect("create")
 }
 
 /// A top image over a pcow base holding data in every cluster.

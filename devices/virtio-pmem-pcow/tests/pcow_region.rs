@@ -4,82 +4,20 @@
 //! epoll loop would, and every result is checked against a model and
 //! against the image reopened with the pcow library.
 
+mod common;
+
+use common::*;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::monitor::Uffd;
+use pcow::{Image, OpenOptions};
 use virtio_pmem_pcow::{
     Monitor, PcowRegion, PmemDevice, Quiesce, RegionError, RegionOptions, WriteGate,
 };
-
-const K64: u64 = 64 << 10;
-
-/// Whether userfaultfd can be used here; prints why a test is skipped.
-fn uffd_or_skip(test: &str) -> bool {
-    match Uffd::new() {
-        Ok(_) => true,
-        Err(e) => {
-            let mut msg = format!("SKIPPED {test}: userfaultfd unavailable: {e}");
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg += &format!(": {s}");
-                src = s.source();
-            }
-            eprintln!("{msg}");
-            false
-        }
-    }
-}
-
-/// The monitor on its own thread, polling its fd like an epoll loop.
-struct MonitorThread {
-    stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<Monitor>>,
-}
-
-impl MonitorThread {
-    fn spawn(m: Monitor) -> MonitorThread {
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        let handle = std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                let mut pfd = libc::pollfd {
-                    fd: m.fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                // SAFETY: one valid pollfd for the call.
-                let r = unsafe { libc::poll(&mut pfd, 1, 20) };
-                if r > 0 {
-                    m.handle_ready().expect("monitor");
-                }
-            }
-            m
-        });
-        MonitorThread {
-            stop,
-            handle: Some(handle),
-        }
-    }
-
-    fn stop(mut self) -> Monitor {
-        self.stop.store(true, Ordering::Relaxed);
-        self.handle.take().unwrap().join().expect("monitor thread")
-    }
-}
-
-impl Drop for MonitorThread {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
-        }
-    }
-}
 
 /// A region, its monitor thread and the gate the "guest" writes through.
 struct Rig {
@@ -123,72 +61,11 @@ impl Rig {
     }
 }
 
-/// A guest write into the region.
-fn gwrite(base: usize, len: u64, off: u64, data: &[u8]) {
-    assert!(off + data.len() as u64 <= len);
-    // SAFETY: in bounds of the live region; the test's writers use
-    // disjoint bytes, and the region is only reached through raw pointers.
-    unsafe {
-        std::ptr::copy_nonoverlapping(data.as_ptr(), (base + off as usize) as *mut u8, data.len())
-    };
-}
-
-/// A guest read of the region.
-fn gread(base: usize, len: u64, off: u64, n: usize) -> Vec<u8> {
-    assert!(off + n as u64 <= len);
-    let mut v = vec![0u8; n];
-    // SAFETY: as in `gwrite`; nobody writes these bytes concurrently.
-    unsafe { std::ptr::copy_nonoverlapping((base + off as usize) as *const u8, v.as_mut_ptr(), n) };
-    v
-}
-
-/// Compares two views; on a mismatch names the first differing offset.
-#[track_caller]
-fn same(got: &[u8], want: &[u8], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
-        panic!(
-            "{what}: {n} bytes differ, first at {i:#x} (cluster {}): got {:?} want {:?}",
-            i as u64 / K64,
-            &got[i..(i + 8).min(got.len())],
-            &want[i..(i + 8).min(want.len())]
-        );
-    }
-}
-
 fn reopen_read(path: &Path) -> Vec<u8> {
     let img = Image::open(path, OpenOptions::read_only()).expect("reopen");
     let mut v = vec![0u8; img.virtual_size() as usize];
     img.read_at(&mut v, 0).expect("read");
     v
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn create(path: &Path, size: u64, cs: u64, base: Option<&str>) -> Image {
-    Image::create(
-        path,
-        &CreateOptions {
-            cluster_size: Some(cs),
-            virtual_size: Some(size),
-            base: base.map(|b| BaseRef {
-                name: b.into(),
-                format: BaseFormat::Probe,
-            }),
-        },
-    )
-    .expect("create")
 }
 
 /// A 3-deep chain: raw base0 (short, ends mid-page) <- base1.pcow <-
