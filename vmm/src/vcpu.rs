@@ -1,0 +1,517 @@
+//! vCPU threads and their pause/resume control.
+//!
+//! Each vCPU runs [`Vcpu::run_loop`] on its own thread (see [`spawn`]):
+//! `KVM_RUN`, then the exit is handled: port I/O goes to a [`PortIo`]
+//! handler, MMIO is logged at debug level and ignored (reads return
+//! zeros), `HLT` ends the run, a `KVM_RUN` error ends it with the exit
+//! reason in the error.
+//!
+//! [`VcpuControl`] pauses and resumes every vCPU registered with it. A pause
+//! sets a flag and kicks each running vCPU thread with a signal
+//! ([`kick_signal`], a no-op handler installed without `SA_RESTART`), so
+//! `KVM_RUN` returns `EINTR`; the thread sees the flag and waits. A kick
+//! that lands between a thread's check of the flag and its entry into
+//! `KVM_RUN` would be lost, so the pausing thread kicks again every
+//! [`REKICK`] until every vCPU has acknowledged. A vCPU blocked in a
+//! userfaultfd fault inside `KVM_RUN` leaves it when the monitor (on
+//! another thread) resolves the fault, or at the signal.
+//!
+//! The control implements the device crate's [`Quiesce`]: `hold` pauses
+//! and returns once no vCPU is inside `KVM_RUN`, `release` resumes. Holds
+//! nest (a count).
+
+use std::os::raw::{c_int, c_void};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use virtio_pmem_pcow::Quiesce;
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
+
+/// How often a pause re-kicks vCPUs that have not acknowledged it.
+pub const REKICK: Duration = Duration::from_millis(2);
+/// MMIO exits logged in full; after that, one line per this many.
+const MMIO_LOG_EVERY: u64 = 1024;
+const MMIO_LOG_FIRST: u64 = 16;
+
+/// Errors of vCPU setup and runs.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("installing the vCPU kick signal handler (signal {signal})")]
+    Signal {
+        signal: c_int,
+        #[source]
+        source: vmm_sys_util::errno::Error,
+    },
+    #[error("vCPU {id}: KVM_RUN failed (exit reason {exit_reason})")]
+    Run {
+        id: u8,
+        exit_reason: u32,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("vCPU {id}: unhandled exit {exit}")]
+    UnhandledExit { id: u8, exit: String },
+    #[error("vCPU {id}: {what}")]
+    Registers {
+        id: u8,
+        what: &'static str,
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    #[error("starting the thread of vCPU {id}")]
+    Thread {
+        id: u8,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the thread of vCPU {0} panicked")]
+    Panicked(u8),
+}
+
+/// Port I/O from the guest. The default `io_in` answers zeros.
+pub trait PortIo: Send {
+    /// The guest wrote `data` to `port`.
+    fn io_out(&mut self, port: u16, data: &[u8]);
+    /// The guest reads `data.len()` bytes from `port`.
+    fn io_in(&mut self, port: u16, data: &mut [u8]) {
+        log::debug!("unhandled port read {port:#x} ({} bytes)", data.len());
+        data.fill(0);
+    }
+}
+
+impl<F: FnMut(u16, &[u8]) + Send> PortIo for F {
+    fn io_out(&mut self, port: u16, data: &[u8]) {
+        self(port, data)
+    }
+}
+
+/// Why a run ended normally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VcpuStop {
+    /// The guest executed `HLT`.
+    Halted,
+    /// The guest shut down (triple fault).
+    Shutdown,
+    /// [`VcpuControl::stop`] was called.
+    Stopped,
+}
+
+/// Exit counters of one run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VcpuStats {
+    /// Port writes.
+    pub io_out: u64,
+    /// Port reads.
+    pub io_in: u64,
+    /// MMIO reads (answered with zeros).
+    pub mmio_read: u64,
+    /// MMIO writes (ignored).
+    pub mmio_write: u64,
+    /// `KVM_RUN` returns with `EINTR`/`EAGAIN` (kicks).
+    pub interrupted: u64,
+    /// Times the vCPU waited paused.
+    pub pauses: u64,
+}
+
+/// A vCPU (not yet running).
+#[derive(Debug)]
+pub struct Vcpu {
+    id: u8,
+    fd: VcpuFd,
+}
+
+/// The kick signal: the first real-time signal, as Cloud Hypervisor uses.
+pub fn kick_signal() -> c_int {
+    SIGRTMIN()
+}
+
+extern "C" fn kick_handler(_: c_int, _: *mut libc::siginfo_t, _: *mut c_void) {
+    // Nothing to do: the signal's only job is to interrupt KVM_RUN.
+}
+
+/// Installs the kick signal's handler once per process.
+fn install_kick_handler() -> Result<(), VcpuError> {
+    static ONCE: Once = Once::new();
+    static RESULT: Mutex<Option<i32>> = Mutex::new(None);
+    ONCE.call_once(|| {
+        if let Err(e) = register_signal_handler(kick_signal(), kick_handler) {
+            *RESULT.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.errno());
+        }
+    });
+    match *RESULT.lock().unwrap_or_else(|e| e.into_inner()) {
+        Some(errno) => Err(VcpuError::Signal {
+            signal: kick_signal(),
+            source: vmm_sys_util::errno::Error::new(errno),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Where a registered vCPU thread is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunState {
+    /// Registered, thread not yet in its loop (will check the flags
+    /// before its first `KVM_RUN`).
+    Starting,
+    /// In its loop, maybe inside `KVM_RUN`.
+    Running(libc::pthread_t),
+    /// Waiting for a resume (outside `KVM_RUN`).
+    Paused,
+    /// Out of its loop for good.
+    Exited,
+}
+
+#[derive(Debug, Default)]
+struct CtlState {
+    holds: usize,
+    stop: bool,
+    vcpus: Vec<RunState>,
+}
+
+impl CtlState {
+    fn quiet(&self) -> bool {
+        self.vcpus
+            .iter()
+            .all(|s| !matches!(s, RunState::Running(_)))
+    }
+}
+
+/// Pauses, resumes and stops the vCPUs registered with it.
+#[derive(Debug, Default)]
+pub struct VcpuControl {
+    state: Mutex<CtlState>,
+    cv: Condvar,
+}
+
+impl VcpuControl {
+    /// A control with no vCPU; installs the kick signal handler.
+    pub fn new() -> Result<Arc<VcpuControl>, VcpuError> {
+        install_kick_handler()?;
+        Ok(Arc::new(VcpuControl::default()))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, CtlState> {
+        // The state is counters and small enums, valid after any panic.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn kick_running(s: &CtlState) {
+        for st in &s.vcpus {
+            if let RunState::Running(t) = *st {
+                // SAFETY: `t` is the pthread of a vCPU thread that has not
+                // left its loop: it marks itself `Exited` under the state
+                // lock we hold before it ends, so the handle is live. The
+                // signal has a no-op handler (installed in `new`).
+                let r = unsafe { libc::pthread_kill(t, kick_signal()) };
+                if r != 0 {
+                    log::warn!(
+                        "kicking a vCPU thread: {}",
+                        std::io::Error::from_raw_os_error(r)
+                    );
+                }
+            }
+        }
+    }
+
+    /// Pauses every vCPU; returns once none is inside `KVM_RUN` (vCPUs
+    /// started later wait before their first run). Nests with
+    /// [`VcpuControl::resume`].
+    pub fn pause(&self) {
+        let mut s = self.lock();
+        s.holds += 1;
+        while !s.quiet() {
+            Self::kick_running(&s);
+            s = self
+                .cv
+                .wait_timeout(s, REKICK)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Undoes one [`VcpuControl::pause`].
+    pub fn resume(&self) {
+        let mut s = self.lock();
+        s.holds = s.holds.saturating_sub(1);
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    /// Makes every vCPU leave its loop (with [`VcpuStop::Stopped`]) at its
+    /// next exit, and kicks the running ones out of `KVM_RUN`.
+    pub fn stop(&self) {
+        let mut s = self.lock();
+        s.stop = true;
+        Self::kick_running(&s);
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    /// Number of vCPUs currently paused.
+    pub fn paused(&self) -> usize {
+        self.lock()
+            .vcpus
+            .iter()
+            .filter(|s| **s == RunState::Paused)
+            .count()
+    }
+
+    fn register(&self) -> usize {
+        let mut s = self.lock();
+        s.vcpus.push(RunState::Starting);
+        s.vcpus.len() - 1
+    }
+
+    fn set(&self, idx: usize, st: RunState) {
+        let mut s = self.lock();
+        s.vcpus[idx] = st;
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    /// Called by vCPU `idx` before each `KVM_RUN`: waits while paused;
+    /// returns false when the vCPU must stop.
+    fn may_run(&self, idx: usize, stats: &mut VcpuStats) -> bool {
+        let mut s = self.lock();
+        if s.holds > 0 && !s.stop {
+            s.vcpus[idx] = RunState::Paused;
+            stats.pauses += 1;
+            self.cv.notify_all();
+            while s.holds > 0 && !s.stop {
+                s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        if s.stop {
+            return false;
+        }
+        // SAFETY: pthread_self has no preconditions.
+        s.vcpus[idx] = RunState::Running(unsafe { libc::pthread_self() });
+        true
+    }
+}
+
+impl Quiesce for VcpuControl {
+    fn hold(&self) {
+        self.pause();
+    }
+
+    fn release(&self) {
+        self.resume();
+    }
+}
+
+/// Marks a vCPU `Exited` when its loop ends, also on a panic.
+struct ExitMark<'a>(&'a VcpuControl, usize);
+
+impl Drop for ExitMark<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.1, RunState::Exited);
+    }
+}
+
+impl Vcpu {
+    pub(crate) fn new(id: u8, fd: VcpuFd) -> Vcpu {
+        Vcpu { id, fd }
+    }
+
+    /// The vCPU's id.
+    pub fn id(&self) -> u8 {
+        self.id
+    }
+
+    /// The vCPU fd, for register setup.
+    pub fn fd(&self) -> &VcpuFd {
+        &self.fd
+    }
+
+    /// Sets the special registers (`KVM_SET_SREGS`) after `f` edited the
+    /// current ones.
+    pub fn update_sregs(
+        &self,
+        f: impl FnOnce(&mut kvm_bindings::kvm_sregs),
+    ) -> Result<(), VcpuError> {
+        let reg_err = |what| {
+            let id = self.id;
+            move |source| VcpuError::Registers { id, what, source }
+        };
+        let mut sregs = self.fd.get_sregs().map_err(reg_err("KVM_GET_SREGS"))?;
+        f(&mut sregs);
+        self.fd.set_sregs(&sregs).map_err(reg_err("KVM_SET_SREGS"))
+    }
+
+    /// Sets the general registers (`KVM_SET_REGS`).
+    pub fn set_regs(&self, regs: &kvm_bindings::kvm_regs) -> Result<(), VcpuError> {
+        self.fd
+            .set_regs(regs)
+            .map_err(|source| VcpuError::Registers {
+                id: self.id,
+                what: "KVM_SET_REGS",
+                source,
+            })
+    }
+
+    /// Runs the vCPU on the calling thread until it halts, shuts down, is
+    /// stopped through `ctl`, or fails. Registers with `ctl` first.
+    pub fn run_loop(
+        &mut self,
+        ctl: &VcpuControl,
+        io: &mut dyn PortIo,
+    ) -> Result<(VcpuStop, VcpuStats), VcpuError> {
+        let idx = ctl.register();
+        self.run_registered(ctl, idx, io)
+    }
+
+    fn run_registered(
+        &mut self,
+        ctl: &VcpuControl,
+        idx: usize,
+        io: &mut dyn PortIo,
+    ) -> Result<(VcpuStop, VcpuStats), VcpuError> {
+        let _mark = ExitMark(ctl, idx);
+        let mut stats = VcpuStats::default();
+        let id = self.id;
+        loop {
+            if !ctl.may_run(idx, &mut stats) {
+                return Ok((VcpuStop::Stopped, stats));
+            }
+            match self.fd.run() {
+                Ok(VcpuExit::IoOut(port, data)) => {
+                    stats.io_out += 1;
+                    io.io_out(port, data);
+                }
+                Ok(VcpuExit::IoIn(port, data)) => {
+                    stats.io_in += 1;
+                    io.io_in(port, data);
+                }
+                Ok(VcpuExit::MmioRead(addr, data)) => {
+                    stats.mmio_read += 1;
+                    let n = stats.mmio_read + stats.mmio_write;
+                    if n <= MMIO_LOG_FIRST || n % MMIO_LOG_EVERY == 0 {
+                        log::debug!(
+                            "vCPU {id}: MMIO read {addr:#x} ({} bytes), exit {n}",
+                            data.len()
+                        );
+                    }
+                    data.fill(0);
+                }
+                Ok(VcpuExit::MmioWrite(addr, data)) => {
+                    stats.mmio_write += 1;
+                    let n = stats.mmio_read + stats.mmio_write;
+                    if n <= MMIO_LOG_FIRST || n % MMIO_LOG_EVERY == 0 {
+                        log::debug!("vCPU {id}: MMIO write {addr:#x} {data:x?}, exit {n}");
+                    }
+                }
+                Ok(VcpuExit::Hlt) => return Ok((VcpuStop::Halted, stats)),
+                Ok(VcpuExit::Shutdown) => return Ok((VcpuStop::Shutdown, stats)),
+                Ok(VcpuExit::Intr) => stats.interrupted += 1,
+                Ok(exit) => {
+                    return Err(VcpuError::UnhandledExit {
+                        id,
+                        exit: format!("{exit:?}"),
+                    })
+                }
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                    stats.interrupted += 1;
+                }
+                Err(source) => {
+                    let exit_reason = self.fd.get_kvm_run().exit_reason;
+                    return Err(VcpuError::Run {
+                        id,
+                        exit_reason,
+                        source,
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The outcome of a vCPU thread.
+pub type VcpuResult = Result<(VcpuStop, VcpuStats), VcpuError>;
+
+/// A running vCPU thread.
+#[derive(Debug)]
+pub struct VcpuThread {
+    id: u8,
+    handle: JoinHandle<VcpuResult>,
+}
+
+impl VcpuThread {
+    /// Whether the thread has ended.
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Waits for the thread and returns how its run ended.
+    pub fn join(self) -> VcpuResult {
+        self.handle
+            .join()
+            .unwrap_or(Err(VcpuError::Panicked(self.id)))
+    }
+}
+
+/// Starts `vcpu` on a new thread named `vcpu<id>`, registered with `ctl`
+/// before the thread starts (a pause in force holds it before its first
+/// run).
+pub fn spawn(
+    mut vcpu: Vcpu,
+    ctl: Arc<VcpuControl>,
+    mut io: Box<dyn PortIo>,
+) -> Result<VcpuThread, VcpuError> {
+    let id = vcpu.id;
+    let idx = ctl.register();
+    let c = ctl.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("vcpu{id}"))
+        .spawn(move || vcpu.run_registered(&c, idx, &mut *io));
+    match spawned {
+        Ok(handle) => Ok(VcpuThread { id, handle }),
+        Err(source) => {
+            ctl.set(idx, RunState::Exited);
+            Err(VcpuError::Thread { id, source })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pause_waits_for_running_and_ignores_starting() {
+        let ctl = VcpuControl::new().unwrap();
+        let a = ctl.register();
+        // A starting vCPU does not block a pause.
+        ctl.pause();
+        ctl.resume();
+        // A "running" vCPU (a plain thread playing one) must acknowledge.
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let mut stats = VcpuStats::default();
+            let mut runs = 0;
+            while c.may_run(a, &mut stats) {
+                runs += 1;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            c.set(a, RunState::Exited);
+            (runs, stats)
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        ctl.pause();
+        assert_eq!(ctl.paused(), 1);
+        ctl.pause(); // nested
+        ctl.resume();
+        assert_eq!(ctl.paused(), 1);
+        ctl.resume();
+        ctl.stop();
+        let (runs, stats) = t.join().unwrap();
+        assert!(runs > 0);
+        assert!(stats.pauses >= 1);
+        // Everything exited: a pause returns at once.
+        ctl.pause();
+        ctl.resume();
+    }
+}
