@@ -1,10 +1,16 @@
 //! The pcow-hypervisor VMM, library part (the first pieces of it).
 //!
 //! What exists: a KVM VM with guest RAM and memslots for external host
-//! regions ([`vm`]), vCPU threads with pause/resume ([`vcpu`]), and the
-//! project's tiny hand-assembled test guest ([`testguest`]). Not here yet:
-//! kernel loading, ACPI, PCI and virtio-pci, the serial console, the
-//! command line, the epoll control loop and the `cloud-hypervisor` binary.
+//! regions ([`vm`]), vCPU threads with pause/resume ([`vcpu`]), the
+//! project's tiny hand-assembled test guest ([`testguest`]), Cloud
+//! Hypervisor's option syntax and VmConfig with validation ([`config`]),
+//! the guest memory layout, bzImage/PVH loading with boot parameters and
+//! e820 ([`boot`]), ACPI tables ([`acpi`]), and a PCI segment with a modern
+//! virtio-pci transport driving the pmem device ([`pci`]), each tested on
+//! its own. Not here yet: wiring them into a running VM (MMIO exits to the
+//! PCI bus, irqfd/ioeventfd, the 0x3c0 power port, CPUID/MSR/LAPIC setup),
+//! the serial console, the epoll control loop and the `cloud-hypervisor`
+//! binary; no Linux guest has been booted yet.
 //!
 //! Threads and events, as they are today:
 //!
@@ -14,8 +20,8 @@
 //!    barrier needs it: `PcowRegion::open` takes it as its
 //!    [`virtio_pmem_pcow::Quiesce`].
 //! 3. A device region (a `PcowRegion` or `RawRegion`) gets a memslot with
-//!    [`vm::Vm::add_region`] at [`vm::Vm::next_region_gpa`] (2 MiB aligned
-//!    above RAM). The region's userfaultfd monitor runs on the owner's side
+//!    [`vm::Vm::add_region`] at [`vm::Vm::next_region_gpa`] (2 MiB aligned,
+//!    above RAM and never below 4 GiB). The region's userfaultfd monitor runs on the owner's side
 //!    (its fds polled, `handle_ready` on readiness): a vCPU whose write
 //!    faults into a hole blocks inside `KVM_RUN` until the monitor maps a
 //!    cluster and wakes it.
@@ -27,6 +33,10 @@
 //!    the barrier releases it.
 #![warn(missing_docs)]
 
+pub mod acpi;
+pub mod boot;
+pub mod config;
+pub mod pci;
 pub mod testguest;
 pub mod vcpu;
 pub mod vm;

@@ -18,9 +18,9 @@
 //! | `0x1000` | GDT: null, code64, data, TSS |
 //! | `0x2000` | PML4 |
 //! | `0x3000` | PDPT |
-//! | `0x4000..0x8000` | up to 4 page directories (2 MiB pages, 4 GiB) |
-//! | `0x8000` | code |
-//! | `0x9000..0x10000` | the check table (40 bytes an entry, zero-terminated) |
+//! | `0x4000..0xc000` | up to 8 page directories (2 MiB pages, 8 GiB: RAM and pmem regions from 4 GiB) |
+//! | `0xc000` | code |
+//! | `0xd000..0x10000` | the check table (40 bytes an entry, zero-terminated) |
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
@@ -37,9 +37,9 @@ const GDT_ADDR: u64 = 0x1000;
 const PML4_ADDR: u64 = 0x2000;
 const PDPT_ADDR: u64 = 0x3000;
 const PD_ADDR: u64 = 0x4000;
-const MAX_PDS: u64 = 4;
-const CODE_ADDR: u64 = 0x8000;
-const TABLE_ADDR: u64 = 0x9000;
+const MAX_PDS: u64 = 8;
+const CODE_ADDR: u64 = 0xc000;
+const TABLE_ADDR: u64 = 0xd000;
 const TABLE_END: u64 = 0x10000;
 const ENTRY_SIZE: u64 = 40;
 /// Lowest RAM size the layout needs.
@@ -414,6 +414,11 @@ impl TestGuest {
 }
 
 impl Loaded {
+    /// Guest address of the first instruction.
+    pub fn entry(&self) -> u64 {
+        self.entry
+    }
+
     /// Puts `vcpu` in 64-bit mode at the guest's entry.
     pub fn configure(&self, vcpu: &Vcpu) -> Result<(), TestGuestError> {
         vcpu.update_sregs(|s| {
@@ -515,8 +520,9 @@ mod tests {
             g(GIB - 8, 2).load(&mem, 1),
             Err(TestGuestError::BadCheck { .. })
         ));
+        assert!(g(8, 1).load(&mem, 5 * GIB).is_ok(), "pmem from 4 GiB fits");
         assert!(matches!(
-            g(8, 1).load(&mem, 5 * GIB),
+            g(8, 1).load(&mem, 9 * GIB),
             Err(TestGuestError::MapTooLarge(_))
         ));
     }

@@ -4,6 +4,7 @@
 //! Every memslot is an RAII [`Memslot`]: dropping it deletes the slot from
 //! the VM before anything else may reuse the host range it pointed at.
 
+use crate::boot::layout;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::kvm_userspace_memory_region;
@@ -21,7 +22,7 @@ const PAGE: u64 = 4096;
 pub const MAX_RAM: u64 = 3 << 30;
 /// Where KVM's TSS goes on Intel hosts (three pages below 4 GiB, as
 /// Firecracker and Cloud Hypervisor place it).
-const TSS_ADDRESS: usize = 0xfffb_d000;
+const TSS_ADDRESS: usize = layout::KVM_TSS_START as usize;
 
 /// Errors of the VM and its memslots.
 #[allow(missing_docs)] // the messages document the variants
@@ -231,7 +232,11 @@ impl Vm {
     /// The first 2 MiB-aligned guest address above RAM and every memslot:
     /// where the next external region of any size can go.
     pub fn next_region_gpa(&self) -> Result<u64, VmError> {
-        let end = self.table()?.end().max(self.ram_end());
+        // Never below 4 GiB: the 32-bit hole holds ECAM, BARs and the APICs.
+        let end = self
+            .table()?
+            .end()
+            .max(layout::pmem_area_start(self.ram_end()));
         Ok(end.next_multiple_of(REGION_ALIGN))
     }
 

@@ -194,7 +194,7 @@ fn guest_fault_ends_the_run_and_is_reported() {
         .load(vm.memory(), vm.ram_end())
         .unwrap();
     vm.memory()
-        .write_slice(&[0x0F, 0x0B], GuestAddress(0x8000)) // ud2 at the entry
+        .write_slice(&[0x0F, 0x0B], GuestAddress(loaded.entry())) // ud2 at the entry
         .unwrap();
     let cpu = vm.create_vcpu(0).expect("vcpu");
     loaded.configure(&cpu).unwrap();
@@ -359,7 +359,11 @@ fn guest_writes_pcow_pmem_across_holes_and_snapshots() {
     let monitor = Arc::new(monitor);
     let mon_thread = MonitorThread::spawn(monitor.clone());
     let gpa = vm.next_region_gpa().unwrap();
-    assert_eq!(gpa, M2, "2 MiB aligned right above RAM");
+    assert_eq!(
+        gpa,
+        vmm::boot::layout::pmem_area_start(vm.ram_end()),
+        "2 MiB aligned above RAM and the 32-bit hole"
+    );
     // SAFETY: the region stays mapped until after the memslot is dropped
     // (below, `slot` drops before `region`).
     let slot = unsafe { vm.add_region(gpa, region.host_addr(), region.len()) }.unwrap();

@@ -1,0 +1,520 @@
+//! [`VmConfig::validate`]: checks on the whole config, after option
+//! parsing or JSON deserialization and before any device is built.
+//!
+//! Rules (upstream's unless marked *ours*):
+//! - fields we do not support are accepted only at upstream's default
+//!   value; any other value is an error naming the field (*ours*);
+//! - `boot_vcpus` 1..=254 and `max_vcpus >= boot_vcpus`; `max_vcpus` must
+//!   equal `boot_vcpus` because there is no CPU hot-plug (*ours*);
+//! - RAM: a non-zero multiple of 4 KiB, at most [`crate::vm::MAX_RAM`]
+//!   (*ours*: the VM places RAM below the 32-bit hole);
+//! - a kernel is given and is a readable regular file, and so is the
+//!   initramfs when given;
+//! - serial and console: `file` only with mode `File` (and required
+//!   there), not both on `Tty`; `Pty` and `Socket` are not supported, and
+//!   the console (virtio-console, which does not exist yet) accepts only
+//!   `Off`, `Null` and upstream's default `Tty`, creating nothing (*ours*);
+//! - device ids are unique and do not start with `__`; pmem devices
+//!   without one get `_pmem0`, `_pmem1`, ... (skipping ids in use);
+//! - each pmem file exists, is a regular file, and no two devices use the
+//!   same file (*ours*); a pcow image (recognised by its magic) opens with
+//!   its chain, has a virtual size that is a multiple of 2 MiB, and `size=`
+//!   equals that virtual size; a raw file's device size (`size=`, else the
+//!   file's length) is a non-zero multiple of 2 MiB; `size=` larger than a
+//!   raw file is refused (*ours*: upstream maps past the end of the file
+//!   and the guest faults there; it grows only its temporary files).
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::vm_config::{
+    ConsoleConfig, ConsoleOutputMode, PmemConfig, VmConfig, DEFAULT_MAX_PHYS_BITS, MAX_VCPUS,
+};
+
+/// pmem devices are sized and placed in 2 MiB units, as upstream does.
+pub const PMEM_ALIGN: u64 = 2 << 20;
+const PAGE: u64 = 4096;
+const PMEM_PREFIX: &str = "_pmem";
+
+/// Why a config is refused.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum ValidationError {
+    #[error(
+        "`{field}` = {value} is not supported (accepted only at upstream's default: {default})"
+    )]
+    Unsupported {
+        field: String,
+        value: String,
+        default: &'static str,
+    },
+    #[error("cpus: boot_vcpus {0} must be from 1 to {MAX_VCPUS}")]
+    BootVcpus(u8),
+    #[error("cpus: max_vcpus {max} is lower than boot_vcpus {boot}")]
+    MaxLowerThanBoot { boot: u8, max: u8 },
+    #[error("cpus: max_vcpus {max} > boot_vcpus {boot}: CPU hot-plug is not supported")]
+    CpuHotplug { boot: u8, max: u8 },
+    #[error("memory: size {size} must be a non-zero multiple of 4 KiB up to {max}")]
+    MemorySize { size: u64, max: u64 },
+    #[error("no kernel given (--kernel, payload.kernel)")]
+    KernelMissing,
+    #[error("{what} {path}: cannot be read")]
+    PayloadFile {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what} {path}: not a regular file")]
+    PayloadNotFile { what: &'static str, path: PathBuf },
+    #[error("{what}: mode File needs a file")]
+    ConsoleFileMissing { what: &'static str },
+    #[error("{what}: a file is given but the mode is {mode:?}, not File")]
+    ConsoleFileWithoutFileMode {
+        what: &'static str,
+        mode: ConsoleOutputMode,
+    },
+    #[error("serial and console both on Tty: give --console off (or another serial mode)")]
+    DoubleTty,
+    #[error("device id `{0}`: ids starting with `__` are reserved and ids must not be empty")]
+    InvalidId(String),
+    #[error("device id `{0}` is used twice")]
+    DuplicateId(String),
+    #[error("pmem {id}: {path}: cannot open")]
+    PmemOpen {
+        id: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "pmem {id}: {path} is not a regular file (upstream's temporary-file pmem in a \
+         directory is not supported)"
+    )]
+    PmemNotFile { id: String, path: PathBuf },
+    #[error("pmem {id} and pmem {other} use the same file {path}")]
+    PmemSameFile {
+        id: String,
+        other: String,
+        path: PathBuf,
+    },
+    #[error("pmem {id}: pcow image {path}")]
+    PcowOpen {
+        id: String,
+        path: PathBuf,
+        #[source]
+        source: Box<pcow::Error>,
+    },
+    #[error(
+        "pmem {id}: pcow image {path} has a virtual size of {size} bytes, not a non-zero \
+         multiple of 2 MiB (fix it with `pcow-img resize`)"
+    )]
+    PcowVirtualSize {
+        id: String,
+        path: PathBuf,
+        size: u64,
+    },
+    #[error(
+        "pmem {id}: size={size} does not match the virtual size {virtual_size} of pcow \
+         image {path} (omit size= or use `pcow-img resize`)"
+    )]
+    PcowSizeMismatch {
+        id: String,
+        path: PathBuf,
+        size: u64,
+        virtual_size: u64,
+    },
+    #[error("pmem {id}: raw file {path}: size {size} is not a non-zero multiple of 2 MiB")]
+    RawSize {
+        id: String,
+        path: PathBuf,
+        size: u64,
+    },
+    #[error(
+        "pmem {id}: size={size} is larger than raw file {path} ({len} bytes); the file is \
+         not grown (truncate it to the size first)"
+    )]
+    RawSizeBeyondFile {
+        id: String,
+        path: PathBuf,
+        size: u64,
+        len: u64,
+    },
+}
+
+/// The format of a pmem backing file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PmemFormat {
+    /// A pcow image (by its magic).
+    Pcow,
+    /// Anything else: mapped as it is, as upstream does.
+    Raw,
+}
+
+/// What validation learnt about one pmem device, in config order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidatedPmem {
+    /// The device id (given or assigned).
+    pub id: String,
+    /// Backing file as configured.
+    pub file: PathBuf,
+    /// Its format.
+    pub format: PmemFormat,
+    /// The device (region) size in bytes, a multiple of 2 MiB.
+    pub size: u64,
+}
+
+type Result<T> = std::result::Result<T, ValidationError>;
+
+fn unsupported(
+    field: impl Into<String>,
+    value: impl ToString,
+    default: &'static str,
+) -> Result<()> {
+    Err(ValidationError::Unsupported {
+        field: field.into(),
+        value: value.to_string(),
+        default,
+    })
+}
+
+fn only_false(field: &str, v: bool) -> Result<()> {
+    if v {
+        return unsupported(field, v, "false");
+    }
+    Ok(())
+}
+
+fn only_absent<T: std::fmt::Debug>(field: &str, v: &Option<T>) -> Result<()> {
+    match v {
+        Some(v) => unsupported(field, format!("{v:?}"), "absent"),
+        None => Ok(()),
+    }
+}
+
+/// Absent, `null` or an empty list.
+fn only_empty(field: &str, v: &Option<Value>) -> Result<()> {
+    match v {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Array(a)) if a.is_empty() => Ok(()),
+        Some(v) => unsupported(field, v, "absent or empty"),
+    }
+}
+
+fn check_console(what: &'static str, c: &ConsoleConfig, virtio: bool) -> Result<()> {
+    only_false(&format!("{what}.iommu"), c.iommu)?;
+    only_absent(&format!("{what}.socket"), &c.socket)?;
+    let supported = match c.mode {
+        ConsoleOutputMode::Pty => false,
+        ConsoleOutputMode::File => !virtio,
+        _ => true,
+    };
+    if !supported {
+        let default = if virtio {
+            "Tty (also Off, Null)"
+        } else {
+            "Null (also Off, Tty, File)"
+        };
+        return unsupported(format!("{what}.mode"), format!("{:?}", c.mode), default);
+    }
+    match (c.mode, &c.file) {
+        (ConsoleOutputMode::File, None) => Err(ValidationError::ConsoleFileMissing { what }),
+        (ConsoleOutputMode::File, Some(_)) | (_, None) => Ok(()),
+        (mode, Some(_)) => Err(ValidationError::ConsoleFileWithoutFileMode { what, mode }),
+    }
+}
+
+fn check_payload_file(what: &'static str, path: &Path) -> Result<()> {
+    let meta = std::fs::metadata(path).map_err(|source| ValidationError::PayloadFile {
+        what,
+        path: path.to_owned(),
+        source,
+    })?;
+    if !meta.is_file() {
+        return Err(ValidationError::PayloadNotFile {
+            what,
+            path: path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+impl VmConfig {
+    /// Checks the whole config (the rules are in this module's docs) and
+    /// assigns `_pmemN` ids to pmem devices without one. On error the
+    /// config is unchanged. Returns what it learnt about each pmem device.
+    pub fn validate(&mut self) -> Result<Vec<ValidatedPmem>> {
+        self.check_unsupported()?;
+        self.check_cpus_memory()?;
+        self.check_payload()?;
+        check_console("serial", &self.serial, false)?;
+        check_console("console", &self.console, true)?;
+        if self.serial.mode == ConsoleOutputMode::Tty && self.console.mode == ConsoleOutputMode::Tty
+        {
+            return Err(ValidationError::DoubleTty);
+        }
+        let ids = self.pmem_ids()?;
+        let mut out = Vec::with_capacity(ids.len());
+        let mut seen: Vec<((u64, u64), String)> = Vec::new();
+        for (cfg, id) in self.pmem().iter().zip(&ids) {
+            let (v, key) = check_pmem(cfg, id)?;
+            if let Some((_, other)) = seen.iter().find(|(k, _)| *k == key) {
+                return Err(ValidationError::PmemSameFile {
+                    id: id.clone(),
+                    other: other.clone(),
+                    path: cfg.file.clone(),
+                });
+            }
+            seen.push((key, id.clone()));
+            out.push(v);
+        }
+        if let Some(pmem) = self.pmem.as_mut() {
+            for (cfg, id) in pmem.iter_mut().zip(ids) {
+                cfg.id = Some(id);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Adds a pmem device (`vm.add-pmem` on a VM not booted yet) and
+    /// validates the config with it; on error the config is unchanged.
+    /// Returns what validation learnt about the new device.
+    pub fn add_pmem(&mut self, pmem: PmemConfig) -> Result<ValidatedPmem> {
+        let mut next = self.clone();
+        next.pmem.get_or_insert_with(Vec::new).push(pmem);
+        let mut checked = next.validate()?;
+        *self = next;
+        Ok(checked
+            .pop()
+            .expect("validate returns one entry per pmem device, and there is one"))
+    }
+
+    fn check_unsupported(&self) -> Result<()> {
+        let c = &self.cpus;
+        only_absent("cpus.topology", &c.topology)?;
+        only_false("cpus.kvm_hyperv", c.kvm_hyperv)?;
+        if c.max_phys_bits != DEFAULT_MAX_PHYS_BITS {
+            return unsupported("cpus.max_phys_bits", c.max_phys_bits, "46");
+        }
+        only_empty("cpus.affinity", &c.affinity)?;
+        only_false("cpus.features.amx", c.features.amx)?;
+        let m = &self.memory;
+        only_false("memory.mergeable", m.mergeable)?;
+        if m.hotplug_method != "Acpi" {
+            return unsupported("memory.hotplug_method", &m.hotplug_method, "Acpi");
+        }
+        only_absent("memory.hotplug_size", &m.hotplug_size)?;
+        only_absent("memory.hotplugged_size", &m.hotplugged_size)?;
+        only_false("memory.shared", m.shared)?;
+        only_false("memory.hugepages", m.hugepages)?;
+        only_absent("memory.hugepage_size", &m.hugepage_size)?;
+        only_false("memory.prefault", m.prefault)?;
+        only_empty("memory.zones", &m.zones)?;
+        if !m.thp {
+            return unsupported("memory.thp", false, "true");
+        }
+        if let Some(p) = &self.payload {
+            only_absent("payload.firmware", &p.firmware)?;
+            only_absent("payload.igvm", &p.igvm)?;
+            only_absent("payload.host_data", &p.host_data)?;
+        }
+        for (name, v) in [
+            ("rate_limit_groups", &self.rate_limit_groups),
+            ("disks", &self.disks),
+            ("net", &self.net),
+            ("fs", &self.fs),
+            ("devices", &self.devices),
+            ("user_devices", &self.user_devices),
+            ("vdpa", &self.vdpa),
+            ("sgx_epc", &self.sgx_epc),
+            ("numa", &self.numa),
+            ("pci_segments", &self.pci_segments),
+            ("landlock_rules", &self.landlock_rules),
+        ] {
+            only_empty(name, v)?;
+        }
+        for (name, v) in [
+            ("balloon", &self.balloon),
+            ("vsock", &self.vsock),
+            ("platform", &self.platform),
+            ("tpm", &self.tpm),
+        ] {
+            if !matches!(v, None | Some(Value::Null)) {
+                only_absent(name, v)?;
+            }
+        }
+        match &self.debug_console {
+            None | Some(Value::Null) => {}
+            Some(Value::Object(o))
+                if o.get("mode") == Some(&Value::String("Off".into()))
+                    && o.get("file").is_none_or(Value::is_null) => {}
+            Some(v) => return unsupported("debug_console", v, "absent or mode Off"),
+        }
+        if self.rng != super::RngConfig::default() {
+            return unsupported(
+                "rng",
+                format!("{:?}", self.rng),
+                "src /dev/urandom, no iommu",
+            );
+        }
+        for (name, v) in [
+            ("pvpanic", self.pvpanic),
+            ("iommu", self.iommu),
+            ("watchdog", self.watchdog),
+            ("gdb", self.gdb),
+            ("landlock_enable", self.landlock_enable),
+        ] {
+            only_false(name, v)?;
+        }
+        for (i, p) in self.pmem().iter().enumerate() {
+            only_false(&format!("pmem[{i}].iommu"), p.iommu)?;
+            if p.pci_segment != 0 {
+                return unsupported(format!("pmem[{i}].pci_segment"), p.pci_segment, "0");
+            }
+        }
+        Ok(())
+    }
+
+    fn check_cpus_memory(&self) -> Result<()> {
+        let (boot, max) = (self.cpus.boot_vcpus, self.cpus.max_vcpus);
+        if boot == 0 || boot > MAX_VCPUS {
+            return Err(ValidationError::BootVcpus(boot));
+        }
+        if max < boot {
+            return Err(ValidationError::MaxLowerThanBoot { boot, max });
+        }
+        if max > boot {
+            return Err(ValidationError::CpuHotplug { boot, max });
+        }
+        let size = self.memory.size;
+        let limit = crate::vm::MAX_RAM;
+        if size == 0 || !size.is_multiple_of(PAGE) || size > limit {
+            return Err(ValidationError::MemorySize { size, max: limit });
+        }
+        Ok(())
+    }
+
+    fn check_payload(&self) -> Result<()> {
+        let p = self.payload.as_ref();
+        let kernel = p
+            .and_then(|p| p.kernel.as_deref())
+            .ok_or(ValidationError::KernelMissing)?;
+        check_payload_file("kernel", kernel)?;
+        if let Some(initramfs) = p.and_then(|p| p.initramfs.as_deref()) {
+            check_payload_file("initramfs", initramfs)?;
+        }
+        Ok(())
+    }
+
+    /// The pmem ids, given or assigned, in config order.
+    fn pmem_ids(&self) -> Result<Vec<String>> {
+        let mut used = BTreeSet::new();
+        for id in self.pmem().iter().filter_map(|p| p.id.as_ref()) {
+            if id.is_empty() || id.starts_with("__") {
+                return Err(ValidationError::InvalidId(id.clone()));
+            }
+            if !used.insert(id.clone()) {
+                return Err(ValidationError::DuplicateId(id.clone()));
+            }
+        }
+        let mut next = 0usize;
+        let mut ids = Vec::new();
+        for p in self.pmem() {
+            let id = match &p.id {
+                Some(id) => id.clone(),
+                None => loop {
+                    let id = format!("{PMEM_PREFIX}{next}");
+                    next += 1;
+                    if used.insert(id.clone()) {
+                        break id;
+                    }
+                },
+            };
+            ids.push(id);
+        }
+        Ok(ids)
+    }
+}
+
+/// Checks one pmem device's file; returns what it learnt and the file's
+/// identity (device, inode).
+fn check_pmem(cfg: &PmemConfig, id: &str) -> Result<(ValidatedPmem, (u64, u64))> {
+    let path = &cfg.file;
+    let open_err = |source| ValidationError::PmemOpen {
+        id: id.to_owned(),
+        path: path.clone(),
+        source,
+    };
+    let file = File::open(path).map_err(open_err)?;
+    let meta = file.metadata().map_err(open_err)?;
+    if !meta.is_file() {
+        return Err(ValidationError::PmemNotFile {
+            id: id.to_owned(),
+            path: path.clone(),
+        });
+    }
+    let key = (meta.dev(), meta.ino());
+    let is_pcow = pcow::is_pcow(&file).map_err(open_err)?;
+    drop(file);
+    let (format, size) = if is_pcow {
+        let opts = pcow::OpenOptions {
+            force_share: true,
+            ..pcow::OpenOptions::default()
+        };
+        let img = pcow::Image::open(path, opts).map_err(|source| ValidationError::PcowOpen {
+            id: id.to_owned(),
+            path: path.clone(),
+            source: Box::new(source),
+        })?;
+        let vs = img.virtual_size();
+        drop(img);
+        if vs == 0 || !vs.is_multiple_of(PMEM_ALIGN) {
+            return Err(ValidationError::PcowVirtualSize {
+                id: id.to_owned(),
+                path: path.clone(),
+                size: vs,
+            });
+        }
+        if let Some(size) = cfg.size.filter(|s| *s != vs) {
+            return Err(ValidationError::PcowSizeMismatch {
+                id: id.to_owned(),
+                path: path.clone(),
+                size,
+                virtual_size: vs,
+            });
+        }
+        (PmemFormat::Pcow, vs)
+    } else {
+        let len = meta.len();
+        let size = cfg.size.unwrap_or(len);
+        if size > len {
+            return Err(ValidationError::RawSizeBeyondFile {
+                id: id.to_owned(),
+                path: path.clone(),
+                size,
+                len,
+            });
+        }
+        if size == 0 || !size.is_multiple_of(PMEM_ALIGN) {
+            return Err(ValidationError::RawSize {
+                id: id.to_owned(),
+                path: path.clone(),
+                size,
+            });
+        }
+        (PmemFormat::Raw, size)
+    };
+    Ok((
+        ValidatedPmem {
+            id: id.to_owned(),
+            file: path.clone(),
+            format,
+            size,
+        },
+        key,
+    ))
+}
