@@ -1,17 +1,21 @@
 //! The pcow-hypervisor VMM, library part (the first pieces of it).
 //!
 //! What exists: a KVM VM with guest RAM and memslots for external host
-//! regions ([`vm`]), vCPU threads with pause/resume ([`vcpu`]), the
-//! project's tiny hand-assembled test guest ([`testguest`]), Cloud
-//! Hypervisor's option syntax and VmConfig with validation ([`config`]),
-//! the guest memory layout, bzImage/PVH loading with boot parameters and
-//! e820 ([`boot`]), ACPI tables ([`acpi`]), and a PCI segment with a modern
-//! virtio-pci transport driving the pmem device ([`pci`]), each tested on
-//! its own. Not here yet: wiring them into a running VM (MMIO exits to the
-//! PCI bus, irqfd/ioeventfd, the 0x3c0 power port, CPUID/MSR/LAPIC setup),
-//! the serial console, the epoll control loop and the `cloud-hypervisor`
-//! binary; no Linux guest has been booted yet.
-//!
+//! regions ([`vm`]), vCPU threads with pause/resume and port/MMIO handler
+//! hooks ([`vcpu`]), the project's tiny hand-assembled test guest
+//! ([`testguest`]), Cloud Hypervisor's option syntax and VmConfig with
+//! validation ([`config`]), the guest memory layout, bzImage/PVH loading
+//! with boot parameters and e820 ([`boot`]), ACPI tables ([`acpi`]), a PCI
+//! segment with a modern virtio-pci transport driving the pmem device
+//! ([`pci`]), and the legacy ports: COM1 8250, the ACPI power port, reset
+//! ports, and a port bus composing them ([`legacy`]). On the host's KVM the
+//! test guest drives the virtio-pci pmem device itself (ECAM, BAR 0,
+//! FLUSH) and the serial and power ports. Not here yet: KVM ioeventfds and
+//! irqfds (notifications still arrive as MMIO exits, interrupts are not
+//! delivered), the in-kernel irqchip, CPUID/MSR/LAPIC setup, the epoll
+//! control loop and the `cloud-hypervisor` binary; no Linux guest has been
+//! booted yet.
+
 //! Threads and events, as they are today:
 //!
 //! 1. The owner (a test, later the VMM thread) creates a [`vm::Vm`]: RAM is
@@ -36,10 +40,11 @@
 pub mod acpi;
 pub mod boot;
 pub mod config;
+pub mod legacy;
 pub mod pci;
 pub mod testguest;
 pub mod vcpu;
 pub mod vm;
 
-pub use vcpu::{PortIo, Vcpu, VcpuControl, VcpuError, VcpuStats, VcpuStop, VcpuThread};
+pub use vcpu::{MmioBus, PortIo, Vcpu, VcpuControl, VcpuError, VcpuStats, VcpuStop, VcpuThread};
 pub use vm::{Memslot, Vm, VmConfig, VmError};

@@ -3,11 +3,22 @@
 //! `KVM_SET_SREGS`: a GDT in guest memory and identity page tables with
 //! 2 MiB pages (1 GiB pages triple-fault on the host's emulating KVM).
 //!
-//! The guest walks a table of [`Check`]s. For each it optionally writes a
-//! pattern of 64-bit words (`seed`, `seed + stride`, `seed + 2*stride`,
-//! ...) at a guest-physical address, then reads the words back and
-//! compares, and reports the result as a 32-bit `out` to [`TEST_PORT`]
-//! (see [`Report`]). After the table it reports [`Report::Done`] and either
+//! The guest walks a table of [`Step`]s and reports each one's result as a
+//! 32-bit `out` to [`TEST_PORT`] (see [`Report`]). A step is one of:
+//!
+//! - [`Step::Mem`] (a [`Check`]): optionally writes a pattern of 64-bit
+//!   words (`seed`, `seed + stride`, `seed + 2*stride`, ...) at a
+//!   guest-physical address, then reads the words back and compares;
+//! - [`Step::Write`]: one write of 1, 2, 4 or 8 bytes at an address (an
+//!   MMIO register, or RAM such as a virtqueue index); always passes;
+//! - [`Step::Read`]: reads 1, 2, 4 or 8 bytes at an address until the
+//!   value under a mask equals the expected one, at most `tries` times
+//!   (one try: a read-and-compare; more: a bounded poll); fails after the
+//!   last try.
+//!
+//! With `Write` and `Read` steps the guest can act as a driver: register
+//! accesses are real guest instructions, each an MMIO exit the VMM
+//! handles. After the table the guest reports [`Report::Done`] and either
 //! halts or, with [`TestGuest::idle`], spins (inside `KVM_RUN`) and polls
 //! the port with `in` until the host answers non-zero, then halts.
 //!
@@ -20,7 +31,13 @@
 //! | `0x3000` | PDPT |
 //! | `0x4000..0xc000` | up to 8 page directories (2 MiB pages, 8 GiB: RAM and pmem regions from 4 GiB) |
 //! | `0xc000` | code |
-//! | `0xd000..0x10000` | the check table (40 bytes an entry, zero-terminated) |
+//! | `0xd000..0x10000` | the step table (40 bytes an entry, zero-terminated) |
+//!
+//! A table entry is five little-endian words: the address (0 ends the
+//! table), three operands, and flags: bit 0 a `Mem` step writes, bit 1 a
+//! `Write` step, bit 2 a `Read` step, bits 8..16 the access width. `Mem`:
+//! words, seed, stride. `Write`: value. `Read`: mask, expected value,
+//! tries.
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
@@ -42,6 +59,14 @@ const CODE_ADDR: u64 = 0xc000;
 const TABLE_ADDR: u64 = 0xd000;
 const TABLE_END: u64 = 0x10000;
 const ENTRY_SIZE: u64 = 40;
+/// Entry flags: a `Mem` step writes its pattern first.
+const FLAG_MEM_WRITE: u64 = 1;
+/// Entry flags: a `Write` step.
+const FLAG_WRITE: u64 = 2;
+/// Entry flags: a `Read` step.
+const FLAG_READ: u64 = 4;
+/// Entry flags: the access width in bytes, from this bit.
+const WIDTH_SHIFT: u32 = 8;
 /// Lowest RAM size the layout needs.
 pub const MIN_RAM: u64 = 0x10000;
 const GIB: u64 = 1 << 30;
@@ -106,6 +131,141 @@ impl Check {
     }
 }
 
+/// One step of the guest's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Write (optionally) and verify a pattern of words.
+    Mem(Check),
+    /// One write of `width` bytes (1, 2, 4 or 8; `gpa` aligned to it) of
+    /// the low bytes of `value`. Reports a pass.
+    Write {
+        /// Guest-physical address (MMIO or RAM).
+        gpa: u64,
+        /// Access width in bytes.
+        width: u8,
+        /// The value (little-endian, truncated to the width).
+        value: u64,
+    },
+    /// Reads of `width` bytes at `gpa` (zero-extended) until `value & mask
+    /// == expect`, at most `tries` reads (at least 1). Passes on a match,
+    /// fails after the last try.
+    Read {
+        /// Guest-physical address (MMIO or RAM).
+        gpa: u64,
+        /// Access width in bytes.
+        width: u8,
+        /// Bits compared.
+        mask: u64,
+        /// Expected value of those bits.
+        expect: u64,
+        /// Reads at most (a poll bound).
+        tries: u64,
+    },
+}
+
+impl From<Check> for Step {
+    fn from(c: Check) -> Step {
+        Step::Mem(c)
+    }
+}
+
+/// All ones in the low `width` bytes.
+fn width_mask(width: u8) -> u64 {
+    match width {
+        8 => u64::MAX,
+        w => (1u64 << (8 * u32::from(w.min(7)))) - 1,
+    }
+}
+
+impl Step {
+    /// A write of `width` bytes.
+    pub fn write(gpa: u64, width: u8, value: u64) -> Step {
+        Step::Write { gpa, width, value }
+    }
+
+    /// One read of `width` bytes that must equal `expect`.
+    pub fn read(gpa: u64, width: u8, expect: u64) -> Step {
+        Step::read_masked(gpa, width, width_mask(width), expect)
+    }
+
+    /// One read of `width` bytes whose `mask` bits must equal `expect`.
+    pub fn read_masked(gpa: u64, width: u8, mask: u64, expect: u64) -> Step {
+        Step::Read {
+            gpa,
+            width,
+            mask,
+            expect,
+            tries: 1,
+        }
+    }
+
+    /// Reads `width` bytes until they equal `expect`, at most `tries`
+    /// times.
+    pub fn poll(gpa: u64, width: u8, expect: u64, tries: u64) -> Step {
+        Step::Read {
+            gpa,
+            width,
+            mask: width_mask(width),
+            expect,
+            tries,
+        }
+    }
+
+    /// The table entry, or why the step is invalid; `map_end` bounds the
+    /// addresses.
+    fn entry(&self, map_end: u64) -> Result<[u64; 5], &'static str> {
+        let inside = |gpa: u64, len: u64| {
+            gpa.checked_add(len)
+                .is_some_and(|end| end <= map_end)
+                .then_some(())
+                .ok_or("outside the identity map")
+        };
+        let access = |gpa: u64, width: u8| {
+            if !matches!(width, 1 | 2 | 4 | 8) {
+                return Err("the width must be 1, 2, 4 or 8 bytes");
+            }
+            if gpa == 0 || !gpa.is_multiple_of(u64::from(width)) {
+                return Err("the address must be non-zero and aligned to the width");
+            }
+            inside(gpa, u64::from(width))?;
+            Ok(u64::from(width) << WIDTH_SHIFT)
+        };
+        match *self {
+            Step::Mem(c) => {
+                if c.gpa == 0 || !c.gpa.is_multiple_of(8) {
+                    return Err("the address must be non-zero and 8-byte aligned");
+                }
+                if c.qwords == 0 {
+                    return Err("at least one word");
+                }
+                inside(c.gpa, c.qwords.checked_mul(8).ok_or("too many words")?)?;
+                let flags = if c.write { FLAG_MEM_WRITE } else { 0 };
+                Ok([c.gpa, c.qwords, c.seed, c.stride, flags])
+            }
+            Step::Write { gpa, width, value } => {
+                let w = access(gpa, width)?;
+                Ok([gpa, value, 0, 0, FLAG_WRITE | w])
+            }
+            Step::Read {
+                gpa,
+                width,
+                mask,
+                expect,
+                tries,
+            } => {
+                let w = access(gpa, width)?;
+                if tries == 0 {
+                    return Err("at least one try");
+                }
+                if expect & !(mask & width_mask(width)) != 0 {
+                    return Err("the expected value has bits outside the mask and width");
+                }
+                Ok([gpa, mask, expect, tries, FLAG_READ | w])
+            }
+        }
+    }
+}
+
 /// What the guest reported on [`TEST_PORT`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Report {
@@ -130,11 +290,11 @@ impl Report {
     }
 }
 
-/// A test guest: its checks and how it ends.
+/// A test guest: its steps and how it ends.
 #[derive(Debug, Clone, Default)]
 pub struct TestGuest {
-    /// The checks, in order.
-    pub checks: Vec<Check>,
+    /// The steps, in order (each reports once).
+    pub checks: Vec<Step>,
     /// After the table, spin this many loop iterations between polls of
     /// the port (`in`), and halt when the host answers non-zero; `None`
     /// halts at once.
@@ -218,6 +378,7 @@ fn program(idle: Option<u32>) -> Result<Vec<u8>, TestGuestError> {
         a.label(),
         a.label(),
     );
+    let (pass, access_write, access_read) = (a.label(), a.label(), a.label());
     let t = TABLE_ADDR.to_le_bytes();
     let port = TEST_PORT.to_le_bytes();
     // Registers: rbx = current entry, r10 = check index.
@@ -227,10 +388,14 @@ fn program(idle: Option<u32>) -> Result<Vec<u8>, TestGuestError> {
     a.op(&[0x48, 0x8B, 0x3B]); // mov rdi, [rbx]        ; gpa (0 ends the table)
     a.op(&[0x48, 0x85, 0xFF]); // test rdi, rdi
     a.jmp32(&[0x0F, 0x84], done); // jz done
+    a.op(&[0x4C, 0x8B, 0x5B, 0x20]); // mov r11, [rbx+32]  ; flags
+    a.op(&[0x41, 0xF6, 0xC3, FLAG_WRITE as u8]); // test r11b, FLAG_WRITE
+    a.jmp32(&[0x0F, 0x85], access_write); // jnz access_write
+    a.op(&[0x41, 0xF6, 0xC3, FLAG_READ as u8]); // test r11b, FLAG_READ
+    a.jmp32(&[0x0F, 0x85], access_read); // jnz access_read
     a.op(&[0x48, 0x8B, 0x4B, 0x08]); // mov rcx, [rbx+8]   ; qwords
     a.op(&[0x48, 0x8B, 0x43, 0x10]); // mov rax, [rbx+16]  ; seed
     a.op(&[0x4C, 0x8B, 0x4B, 0x18]); // mov r9, [rbx+24]   ; stride
-    a.op(&[0x4C, 0x8B, 0x5B, 0x20]); // mov r11, [rbx+32]  ; flags
     a.op(&[0x41, 0xF6, 0xC3, 0x01]); // test r11b, 1       ; write?
     a.jmp8(&[0x74], verify); // jz verify
     a.op(&[0x48, 0x89, 0xFE]); // mov rsi, rdi          ; cursor
@@ -253,6 +418,7 @@ fn program(idle: Option<u32>) -> Result<Vec<u8>, TestGuestError> {
     a.op(&[0x48, 0x83, 0xC6, 0x08]); // add rsi, 8
     a.op(&[0x48, 0xFF, 0xCA]); // dec rdx
     a.jmp8(&[0x75], read_loop); // jnz read_loop
+    a.bind(pass);
     a.op(&[0x44, 0x89, 0xD0]); // mov eax, r10d         ; pass: the index
     a.jmp8(&[0xEB], report); // jmp report
     a.bind(bad);
@@ -264,6 +430,7 @@ fn program(idle: Option<u32>) -> Result<Vec<u8>, TestGuestError> {
     a.op(&[0x49, 0xFF, 0xC2]); // inc r10
     a.op(&[0x48, 0x83, 0xC3, ENTRY_SIZE as u8]); // add rbx, ENTRY_SIZE
     a.jmp32(&[0xE9], next); // jmp next
+    access_steps(&mut a, access_write, access_read, pass, bad);
     a.bind(done);
     a.op(&[0x44, 0x89, 0xD0]); // mov eax, r10d         ; checks run
     a.op(&[0x0D, 0x00, 0x00, 0x00, 0x40]); // or eax, DONE_BIT
@@ -286,6 +453,68 @@ fn program(idle: Option<u32>) -> Result<Vec<u8>, TestGuestError> {
     a.op(&[0xF4]); // hlt
     a.jmp8(&[0xEB], halt); // jmp halt (if ever resumed)
     a.finish()
+}
+
+/// The `Write` and `Read` steps: entered with rbx = the entry, rdi = the
+/// address, r11 = the flags; they end in a jump to `pass` or `bad`.
+fn access_steps(a: &mut Asm, access_write: Label, access_read: Label, pass: Label, bad: Label) {
+    // Write: the value's low `width` bytes.
+    let (w2, w4, w8) = (a.label(), a.label(), a.label());
+    a.bind(access_write);
+    a.op(&[0x48, 0x8B, 0x43, 0x08]); // mov rax, [rbx+8]   ; value
+    a.op(&[0x44, 0x89, 0xD9]); // mov ecx, r11d
+    a.op(&[0xC1, 0xE9, WIDTH_SHIFT as u8]); // shr ecx, WIDTH_SHIFT ; width
+    a.op(&[0x83, 0xF9, 0x01]); // cmp ecx, 1
+    a.jmp8(&[0x75], w2); // jne w2
+    a.op(&[0x88, 0x07]); // mov [rdi], al
+    a.jmp32(&[0xE9], pass); // jmp pass
+    a.bind(w2);
+    a.op(&[0x83, 0xF9, 0x02]); // cmp ecx, 2
+    a.jmp8(&[0x75], w4); // jne w4
+    a.op(&[0x66, 0x89, 0x07]); // mov [rdi], ax
+    a.jmp32(&[0xE9], pass); // jmp pass
+    a.bind(w4);
+    a.op(&[0x83, 0xF9, 0x04]); // cmp ecx, 4
+    a.jmp8(&[0x75], w8); // jne w8
+    a.op(&[0x89, 0x07]); // mov [rdi], eax
+    a.jmp32(&[0xE9], pass); // jmp pass
+    a.bind(w8);
+    a.op(&[0x48, 0x89, 0x07]); // mov [rdi], rax
+    a.jmp32(&[0xE9], pass); // jmp pass
+
+    // Read: until (value & mask) == expected, at most `tries` reads.
+    let (again, r2, r4, r8, got) = (a.label(), a.label(), a.label(), a.label(), a.label());
+    a.bind(access_read);
+    a.op(&[0x4C, 0x8B, 0x43, 0x08]); // mov r8, [rbx+8]    ; mask
+    a.op(&[0x4C, 0x8B, 0x4B, 0x10]); // mov r9, [rbx+16]   ; expected
+    a.op(&[0x48, 0x8B, 0x73, 0x18]); // mov rsi, [rbx+24]  ; tries left
+    a.op(&[0x44, 0x89, 0xD9]); // mov ecx, r11d
+    a.op(&[0xC1, 0xE9, WIDTH_SHIFT as u8]); // shr ecx, WIDTH_SHIFT ; width
+    a.bind(again);
+    a.op(&[0x83, 0xF9, 0x01]); // cmp ecx, 1
+    a.jmp8(&[0x75], r2); // jne r2
+    a.op(&[0x0F, 0xB6, 0x17]); // movzx edx, byte [rdi]
+    a.jmp8(&[0xEB], got); // jmp got
+    a.bind(r2);
+    a.op(&[0x83, 0xF9, 0x02]); // cmp ecx, 2
+    a.jmp8(&[0x75], r4); // jne r4
+    a.op(&[0x0F, 0xB7, 0x17]); // movzx edx, word [rdi]
+    a.jmp8(&[0xEB], got); // jmp got
+    a.bind(r4);
+    a.op(&[0x83, 0xF9, 0x04]); // cmp ecx, 4
+    a.jmp8(&[0x75], r8); // jne r8
+    a.op(&[0x8B, 0x17]); // mov edx, [rdi]         ; zero-extends
+    a.jmp8(&[0xEB], got); // jmp got
+    a.bind(r8);
+    a.op(&[0x48, 0x8B, 0x17]); // mov rdx, [rdi]
+    a.bind(got);
+    a.op(&[0x4C, 0x21, 0xC2]); // and rdx, r8
+    a.op(&[0x4C, 0x39, 0xCA]); // cmp rdx, r9
+    a.jmp32(&[0x0F, 0x84], pass); // je pass
+    a.op(&[0xF3, 0x90]); // pause                 ; a polite poll
+    a.op(&[0x48, 0xFF, 0xCE]); // dec rsi
+    a.jmp8(&[0x75], again); // jnz again
+    a.jmp32(&[0xE9], bad); // jmp bad
 }
 
 /// A GDT entry from flags (access byte and the flags nibble, as
@@ -366,19 +595,11 @@ impl TestGuest {
             return Err(TestGuestError::TooManyChecks(self.checks.len()));
         }
         let mut table = Vec::with_capacity((self.checks.len() + 1) * ENTRY_SIZE as usize);
-        for (index, c) in self.checks.iter().enumerate() {
-            let bad = |why| TestGuestError::BadCheck { index, why };
-            if c.gpa == 0 || !c.gpa.is_multiple_of(8) {
-                return Err(bad("the address must be non-zero and 8-byte aligned"));
-            }
-            if c.qwords == 0 {
-                return Err(bad("at least one word"));
-            }
-            match c.qwords.checked_mul(8).and_then(|n| n.checked_add(c.gpa)) {
-                Some(end) if end <= pds * GIB => {}
-                _ => return Err(bad("outside the identity map")),
-            }
-            for w in [c.gpa, c.qwords, c.seed, c.stride, u64::from(c.write)] {
+        for (index, step) in self.checks.iter().enumerate() {
+            let entry = step
+                .entry(pds * GIB)
+                .map_err(|why| TestGuestError::BadCheck { index, why })?;
+            for w in entry {
                 table.extend_from_slice(&w.to_le_bytes());
             }
         }
@@ -465,7 +686,7 @@ mod tests {
             + 4;
         assert_eq!(code[jz], 0x74);
         assert_eq!(code[jz + 1], 9 + 15);
-        assert!(program(None).unwrap().len() < 256);
+        assert!(program(None).unwrap().len() as u64 <= TABLE_ADDR - CODE_ADDR);
     }
 
     #[test]
@@ -498,13 +719,13 @@ mod tests {
     fn load_rejects_bad_checks() {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap();
         let g = |gpa, qwords| TestGuest {
-            checks: vec![Check {
+            checks: vec![Step::Mem(Check {
                 gpa,
                 qwords,
                 seed: 0,
                 stride: 0,
                 write: false,
-            }],
+            })],
             idle: None,
         };
         assert!(g(0x10_0000, 1).load(&mem, 0x20_0000).is_ok());
@@ -524,6 +745,43 @@ mod tests {
         assert!(matches!(
             g(8, 1).load(&mem, 9 * GIB),
             Err(TestGuestError::MapTooLarge(_))
+        ));
+    }
+
+    #[test]
+    fn access_steps_encode_and_reject_bad_ones() {
+        assert_eq!(
+            Step::write(0x1000, 2, 7).entry(GIB),
+            Ok([0x1000, 7, 0, 0, FLAG_WRITE | (2 << WIDTH_SHIFT)])
+        );
+        assert_eq!(
+            Step::poll(0x1000, 4, 9, 100).entry(GIB),
+            Ok([0x1000, 0xffff_ffff, 9, 100, FLAG_READ | (4 << WIDTH_SHIFT)])
+        );
+        assert_eq!(
+            Step::read(0x1000, 8, 1).entry(GIB).map(|e| e[1]),
+            Ok(u64::MAX)
+        );
+        let bad = [
+            Step::write(0, 1, 0),
+            Step::write(0x1001, 2, 0),
+            Step::write(0x1000, 3, 0),
+            Step::write(GIB - 4, 8, 0),
+            Step::read(0x1000, 1, 0x100),
+            Step::read_masked(0x1000, 4, 0xf0, 0x0f),
+            Step::poll(0x1000, 2, 0, 0),
+        ];
+        for s in bad {
+            assert!(s.entry(GIB).is_err(), "{s:?}");
+        }
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap();
+        let g = TestGuest {
+            checks: vec![Step::write(0x10_0000, 4, 1), Step::write(0x10_0002, 4, 1)],
+            idle: None,
+        };
+        assert!(matches!(
+            g.load(&mem, 0x20_0000),
+            Err(TestGuestError::BadCheck { index: 1, .. })
         ));
     }
 }

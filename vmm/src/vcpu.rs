@@ -2,9 +2,10 @@
 //!
 //! Each vCPU runs [`Vcpu::run_loop`] on its own thread (see [`spawn`]):
 //! `KVM_RUN`, then the exit is handled: port I/O goes to a [`PortIo`]
-//! handler, MMIO is logged at debug level and ignored (reads return
-//! zeros), `HLT` ends the run, a `KVM_RUN` error ends it with the exit
-//! reason in the error.
+//! handler, MMIO to an [`MmioBus`] (the PCI bus: ECAM and BARs; see
+//! [`spawn_with`]); MMIO nothing claims is logged at debug level and
+//! ignored (reads return zeros). `HLT` ends the run, a `KVM_RUN` error
+//! ends it with the exit reason in the error.
 //!
 //! [`VcpuControl`] pauses and resumes every vCPU registered with it. A pause
 //! sets a flag and kicks each running vCPU thread with a signal
@@ -19,6 +20,15 @@
 //! The control implements the device crate's [`Quiesce`]: `hold` pauses
 //! and returns once no vCPU is inside `KVM_RUN`, `release` resumes. Holds
 //! nest (a count).
+//!
+//! A vCPU thread running a port or MMIO handler is outside `KVM_RUN` and
+//! checks the flags before it enters again, so a pause counts it as quiet
+//! and does not wait for the handler to return. This is what keeps a
+//! handler that blocks on something the pausing thread holds (a device
+//! lock held across a FLUSH barrier, which pauses the vCPUs) from
+//! deadlocking: the pause completes, the barrier runs, the device lock is
+//! released, the handler returns, and the vCPU waits for the resume before
+//! its next `KVM_RUN`.
 
 use std::os::raw::{c_int, c_void};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
@@ -88,6 +98,36 @@ impl<F: FnMut(u16, &[u8]) + Send> PortIo for F {
     }
 }
 
+/// MMIO from the guest: accesses to guest-physical addresses no memslot
+/// backs (the PCI ECAM window, BARs). Each method returns whether
+/// something decoded the address; the vCPU logs unclaimed accesses at
+/// debug level and answers reads of them with zeros.
+///
+/// A handler may block (a device lock): the vCPU counts as paused
+/// meanwhile (see the module docs), so it must not write guest memory
+/// that a barrier harvests (pmem regions) without holding off barriers
+/// itself.
+pub trait MmioBus: Send {
+    /// The guest reads `data.len()` bytes at `addr`.
+    fn mmio_read(&mut self, addr: u64, data: &mut [u8]) -> bool;
+    /// The guest writes `data` at `addr`.
+    fn mmio_write(&mut self, addr: u64, data: &[u8]) -> bool;
+}
+
+/// No MMIO device: every access is unclaimed.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoMmio;
+
+impl MmioBus for NoMmio {
+    fn mmio_read(&mut self, _addr: u64, _data: &mut [u8]) -> bool {
+        false
+    }
+
+    fn mmio_write(&mut self, _addr: u64, _data: &[u8]) -> bool {
+        false
+    }
+}
+
 /// Why a run ended normally.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VcpuStop {
@@ -106,10 +146,13 @@ pub struct VcpuStats {
     pub io_out: u64,
     /// Port reads.
     pub io_in: u64,
-    /// MMIO reads (answered with zeros).
+    /// MMIO reads (claimed or not).
     pub mmio_read: u64,
-    /// MMIO writes (ignored).
+    /// MMIO writes (claimed or not).
     pub mmio_write: u64,
+    /// MMIO accesses no [`MmioBus`] claimed (reads answered with zeros,
+    /// writes dropped).
+    pub mmio_unclaimed: u64,
     /// `KVM_RUN` returns with `EINTR`/`EAGAIN` (kicks).
     pub interrupted: u64,
     /// Times the vCPU waited paused.
@@ -158,6 +201,9 @@ enum RunState {
     Starting,
     /// In its loop, maybe inside `KVM_RUN`.
     Running(libc::pthread_t),
+    /// Outside `KVM_RUN` in a port or MMIO handler; quiet (checks the
+    /// flags before its next `KVM_RUN`), not kicked.
+    Handling,
     /// Waiting for a resume (outside `KVM_RUN`).
     Paused,
     /// Out of its loop for good.
@@ -259,6 +305,12 @@ impl VcpuControl {
             .count()
     }
 
+    /// Called by vCPU `idx` when `KVM_RUN` returned with an exit to
+    /// handle: it no longer needs a kick to be quiet.
+    fn handling(&self, idx: usize) {
+        self.set(idx, RunState::Handling);
+    }
+
     fn register(&self) -> usize {
         let mut s = self.lock();
         s.vcpus.push(RunState::Starting);
@@ -354,14 +406,25 @@ impl Vcpu {
     }
 
     /// Runs the vCPU on the calling thread until it halts, shuts down, is
-    /// stopped through `ctl`, or fails. Registers with `ctl` first.
+    /// stopped through `ctl`, or fails. Registers with `ctl` first. No
+    /// MMIO handler: every MMIO access is unclaimed.
     pub fn run_loop(
         &mut self,
         ctl: &VcpuControl,
         io: &mut dyn PortIo,
     ) -> Result<(VcpuStop, VcpuStats), VcpuError> {
+        self.run_loop_with(ctl, io, &mut NoMmio)
+    }
+
+    /// [`Vcpu::run_loop`] with MMIO exits going to `mmio`.
+    pub fn run_loop_with(
+        &mut self,
+        ctl: &VcpuControl,
+        io: &mut dyn PortIo,
+        mmio: &mut dyn MmioBus,
+    ) -> Result<(VcpuStop, VcpuStats), VcpuError> {
         let idx = ctl.register();
-        self.run_registered(ctl, idx, io)
+        self.run_registered(ctl, idx, io, mmio)
     }
 
     fn run_registered(
@@ -369,6 +432,7 @@ impl Vcpu {
         ctl: &VcpuControl,
         idx: usize,
         io: &mut dyn PortIo,
+        mmio: &mut dyn MmioBus,
     ) -> Result<(VcpuStop, VcpuStats), VcpuError> {
         let _mark = ExitMark(ctl, idx);
         let mut stats = VcpuStats::default();
@@ -380,28 +444,40 @@ impl Vcpu {
             match self.fd.run() {
                 Ok(VcpuExit::IoOut(port, data)) => {
                     stats.io_out += 1;
+                    ctl.handling(idx);
                     io.io_out(port, data);
                 }
                 Ok(VcpuExit::IoIn(port, data)) => {
                     stats.io_in += 1;
+                    ctl.handling(idx);
                     io.io_in(port, data);
                 }
                 Ok(VcpuExit::MmioRead(addr, data)) => {
                     stats.mmio_read += 1;
-                    let n = stats.mmio_read + stats.mmio_write;
-                    if n <= MMIO_LOG_FIRST || n % MMIO_LOG_EVERY == 0 {
-                        log::debug!(
-                            "vCPU {id}: MMIO read {addr:#x} ({} bytes), exit {n}",
-                            data.len()
-                        );
+                    ctl.handling(idx);
+                    if !mmio.mmio_read(addr, data) {
+                        stats.mmio_unclaimed += 1;
+                        let n = stats.mmio_unclaimed;
+                        if n <= MMIO_LOG_FIRST || n % MMIO_LOG_EVERY == 0 {
+                            log::debug!(
+                                "vCPU {id}: unclaimed MMIO read {addr:#x} ({} bytes), {n} so far",
+                                data.len()
+                            );
+                        }
+                        data.fill(0);
                     }
-                    data.fill(0);
                 }
                 Ok(VcpuExit::MmioWrite(addr, data)) => {
                     stats.mmio_write += 1;
-                    let n = stats.mmio_read + stats.mmio_write;
-                    if n <= MMIO_LOG_FIRST || n % MMIO_LOG_EVERY == 0 {
-                        log::debug!("vCPU {id}: MMIO write {addr:#x} {data:x?}, exit {n}");
+                    ctl.handling(idx);
+                    if !mmio.mmio_write(addr, data) {
+                        stats.mmio_unclaimed += 1;
+                        let n = stats.mmio_unclaimed;
+                        if n <= MMIO_LOG_FIRST || n % MMIO_LOG_EVERY == 0 {
+                            log::debug!(
+                                "vCPU {id}: unclaimed MMIO write {addr:#x} {data:x?}, {n} so far"
+                            );
+                        }
                     }
                 }
                 Ok(VcpuExit::Hlt) => return Ok((VcpuStop::Halted, stats)),
@@ -455,18 +531,28 @@ impl VcpuThread {
 
 /// Starts `vcpu` on a new thread named `vcpu<id>`, registered with `ctl`
 /// before the thread starts (a pause in force holds it before its first
-/// run).
+/// run). No MMIO handler (see [`spawn_with`]).
 pub fn spawn(
+    vcpu: Vcpu,
+    ctl: Arc<VcpuControl>,
+    io: Box<dyn PortIo>,
+) -> Result<VcpuThread, VcpuError> {
+    spawn_with(vcpu, ctl, io, Box::new(NoMmio))
+}
+
+/// [`spawn`] with MMIO exits going to `mmio`.
+pub fn spawn_with(
     mut vcpu: Vcpu,
     ctl: Arc<VcpuControl>,
     mut io: Box<dyn PortIo>,
+    mut mmio: Box<dyn MmioBus>,
 ) -> Result<VcpuThread, VcpuError> {
     let id = vcpu.id;
     let idx = ctl.register();
     let c = ctl.clone();
     let spawned = std::thread::Builder::new()
         .name(format!("vcpu{id}"))
-        .spawn(move || vcpu.run_registered(&c, idx, &mut *io));
+        .spawn(move || vcpu.run_registered(&c, idx, &mut *io, &mut *mmio));
     match spawned {
         Ok(handle) => Ok(VcpuThread { id, handle }),
         Err(source) => {
@@ -513,5 +599,32 @@ mod tests {
         // Everything exited: a pause returns at once.
         ctl.pause();
         ctl.resume();
+    }
+
+    #[test]
+    fn a_vcpu_in_a_handler_is_quiet_and_waits_before_its_next_run() {
+        let ctl = VcpuControl::new().unwrap();
+        let a = ctl.register();
+        let mut stats = VcpuStats::default();
+        assert!(ctl.may_run(a, &mut stats));
+        // The "exit": a handler that would block on something the pausing
+        // thread holds must not keep the pause waiting.
+        ctl.handling(a);
+        ctl.pause();
+        assert_eq!(ctl.paused(), 0, "handling, not paused");
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let mut stats = VcpuStats::default();
+            let ran = c.may_run(a, &mut stats);
+            c.set(a, RunState::Exited);
+            (ran, stats.pauses)
+        });
+        let start = std::time::Instant::now();
+        while ctl.paused() == 0 && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(ctl.paused(), 1, "the handler's return waits for the resume");
+        ctl.resume();
+        assert_eq!(t.join().unwrap(), (true, 1));
     }
 }
