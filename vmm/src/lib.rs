@@ -45,6 +45,7 @@ pub mod pci;
 pub mod testguest;
 pub mod vcpu;
 pub mod vm;
+mod x86;
 
 pub use vcpu::{MmioBus, PortIo, Vcpu, VcpuControl, VcpuError, VcpuStats, VcpuStop, VcpuThread};
 pub use vm::{Memslot, Vm, VmConfig, VmError};

@@ -39,6 +39,9 @@
 //! words, seed, stride. `Write`: value. `Read`: mask, expected value,
 //! tries.
 
+use crate::x86::{
+    gdt_entry, segment, CR0_ET, CR0_MP, CR0_NE, CR0_PE, CR0_PG, CR0_WP, CR4_PAE, EFER_LMA, EFER_LME,
+};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 use crate::vcpu::{Vcpu, VcpuError};
@@ -517,39 +520,6 @@ fn access_steps(a: &mut Asm, access_write: Label, access_read: Label, pass: Labe
     a.jmp32(&[0xE9], bad); // jmp bad
 }
 
-/// A GDT entry from flags (access byte and the flags nibble, as
-/// `0xF0FF`: granularity, size, long, avl ... present, dpl, s, type),
-/// base and limit.
-fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
-    let (flags, base, limit) = (u64::from(flags), u64::from(base), u64::from(limit));
-    ((base & 0xff00_0000) << 32)
-        | ((base & 0x00ff_ffff) << 16)
-        | (limit & 0xffff)
-        | ((limit & 0xf_0000) << 32)
-        | ((flags & 0xf0ff) << 40)
-}
-
-/// The KVM view of the segment `gdt_entry(flags, base, limit)` at
-/// `selector`.
-fn segment(selector: u16, flags: u16, base: u32, limit: u32) -> kvm_bindings::kvm_segment {
-    let g = (flags >> 15) & 1;
-    kvm_bindings::kvm_segment {
-        base: u64::from(base),
-        limit: if g == 1 { (limit << 12) | 0xfff } else { limit },
-        selector,
-        type_: (flags & 0xf) as u8,
-        present: ((flags >> 7) & 1) as u8,
-        dpl: ((flags >> 5) & 3) as u8,
-        db: ((flags >> 14) & 1) as u8,
-        s: ((flags >> 4) & 1) as u8,
-        l: ((flags >> 13) & 1) as u8,
-        g: g as u8,
-        avl: ((flags >> 12) & 1) as u8,
-        unusable: 0,
-        padding: 0,
-    }
-}
-
 /// 64-bit code: granular, long, present, ring 0, code execute/read accessed.
 const CODE64: u16 = 0xa09b;
 /// Data: granular, 32-bit, present, ring 0, read/write accessed.
@@ -557,15 +527,6 @@ const DATA: u16 = 0xc093;
 /// A busy 64-bit TSS (needed for a valid task register on VMX).
 const TSS: u16 = 0x808b;
 
-const CR0_PE: u64 = 1;
-const CR0_MP: u64 = 1 << 1;
-const CR0_ET: u64 = 1 << 4;
-const CR0_NE: u64 = 1 << 5;
-const CR0_WP: u64 = 1 << 16;
-const CR0_PG: u64 = 1 << 31;
-const CR4_PAE: u64 = 1 << 5;
-const EFER_LME: u64 = 1 << 8;
-const EFER_LMA: u64 = 1 << 10;
 /// Page table entry bits: present, writable, (in a PD) 2 MiB page.
 const PTE_P_RW: u64 = 0x3;
 const PDE_PS: u64 = 0x80;

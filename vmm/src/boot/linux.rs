@@ -16,6 +16,7 @@
 //!   (one module), the RSDP and the memory map. The vCPU starts in 32-bit
 //!   protected mode, paging off, at the PVH entry with `rbx` = start info.
 
+use crate::x86::{self, CR0_CD, CR0_ET, CR0_NW, CR0_PE, CR0_PG, CR4_PAE, EFER_LMA, EFER_LME};
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
@@ -68,15 +69,6 @@ const GDT: [(u16, u16, u32, u32); 4] = [
     (BOOT_CS32, 0xc09b, 0, 0xfffff), // present, code exec/read, DB, G
 ];
 
-const CR0_PE: u64 = 1;
-const CR0_ET: u64 = 1 << 4;
-const CR0_NW: u64 = 1 << 29;
-const CR0_CD: u64 = 1 << 30;
-const CR0_PG: u64 = 1 << 31;
-const CR4_PAE: u64 = 1 << 5;
-const EFER_LME: u64 = 1 << 8;
-const EFER_LMA: u64 = 1 << 10;
-
 /// What to boot.
 #[derive(Debug, Clone, Copy)]
 pub struct BootSource<'a> {
@@ -121,32 +113,7 @@ fn segment(selector: u16) -> kvm_segment {
         .copied()
         .find(|e| e.0 == selector)
         .unwrap_or((0, 0, 0, 0));
-    let g = (flags >> 15) & 1;
-    kvm_segment {
-        base: u64::from(base),
-        limit: if g == 1 { (limit << 12) | 0xfff } else { limit },
-        selector: sel,
-        type_: (flags & 0xf) as u8,
-        present: ((flags >> 7) & 1) as u8,
-        dpl: ((flags >> 5) & 3) as u8,
-        db: ((flags >> 14) & 1) as u8,
-        s: ((flags >> 4) & 1) as u8,
-        l: ((flags >> 13) & 1) as u8,
-        g: g as u8,
-        avl: ((flags >> 12) & 1) as u8,
-        unusable: 0,
-        padding: 0,
-    }
-}
-
-/// A GDT descriptor from flags, base and limit.
-fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {
-    let (base, limit, flags) = (u64::from(base), u64::from(limit), u64::from(flags));
-    ((base & 0xff00_0000) << 32)
-        | ((base & 0x00ff_ffff) << 16)
-        | (limit & 0xffff)
-        | ((limit & 0xf_0000) << 32)
-        | ((flags & 0xf0ff) << 40)
+    x86::segment(sel, flags, base, limit)
 }
 
 impl BootVcpuState {
@@ -523,7 +490,7 @@ fn write_cmdline<M: GuestMemoryBackend>(mem: &M, cmdline: &str, max: u64) -> Res
 fn write_gdt<M: GuestMemoryBackend>(mem: &M) -> Result<(), BootError> {
     let mut table = [0u64; layout::BOOT_GDT_ENTRIES];
     for &(sel, flags, base, limit) in &GDT {
-        table[usize::from(sel / 8)] = gdt_entry(flags, base, limit);
+        table[usize::from(sel / 8)] = x86::gdt_entry(flags, base, limit);
     }
     for (i, e) in table.iter().enumerate() {
         let addr = layout::BOOT_GDT_START + 8 * i as u64;
