@@ -247,10 +247,11 @@ impl VcpuControl {
     fn kick_running(s: &CtlState) {
         for st in &s.vcpus {
             if let RunState::Running(t) = *st {
-                // SAFETY: `t` is the pthread of a vCPU thread that has not
-                // left its loop: it marks itself `Exited` under the state
-                // lock we hold before it ends, so the handle is live. The
-                // signal has a no-op handler (installed in `new`).
+                // `t` is the pthread of a vCPU thread that has not left its
+                // loop: it marks itself `Exited` under the state lock we
+                // hold before it ends.
+                // SAFETY: so the handle is live; the signal has a no-op
+                // handler (installed in `new`).
                 let r = unsafe { libc::pthread_kill(t, kick_signal()) };
                 if r != 0 {
                     log::warn!(

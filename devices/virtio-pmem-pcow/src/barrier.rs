@@ -319,10 +319,11 @@ impl RegionState {
         let Ok(p) = self.mapping.ptr(off, PAGE_SIZE) else {
             return false;
         };
-        // SAFETY: `p` points to a mapped, readable page of the region
-        // (checked in bounds); writers are held, so nothing writes it while
-        // the slice lives; the page is present, so reading it cannot wait
-        // on the monitor.
+        // `p` points to a mapped, readable page of the region (checked in
+        // bounds) and the page is present, so reading it cannot wait on
+        // the monitor.
+        // SAFETY: writers are held, so nothing writes the page while the
+        // slice lives.
         let page = unsafe { std::slice::from_raw_parts(p, PAGE_SIZE as usize) };
         page.iter().all(|&b| b == 0)
     }
@@ -498,12 +499,12 @@ impl RegionState {
         while done < len {
             let off = libc::off_t::try_from(file_offset + from + done)
                 .map_err(|_| err(std::io::Error::from_raw_os_error(libc::EOVERFLOW)))?;
-            // SAFETY: `p + done .. p + len` is mapped region memory (checked
-            // in bounds by `ptr`); the kernel only reads it. Writers are
-            // held, and the cluster is private or zero-mapped, so every page
-            // is present or file-backed and reading it never waits on the
-            // monitor (which may need the lock we hold); a read does not
-            // trip write protection.
+            // `p + done .. p + len` is mapped region memory (checked in
+            // bounds by `ptr`). Writers are held, and the cluster is private
+            // or zero-mapped, so every page is present or file-backed and
+            // reading it never waits on the monitor (which may need the lock
+            // we hold); a read does not trip write protection.
+            // SAFETY: so the kernel only reads valid, quiescent memory.
             let n = unsafe {
                 libc::pwrite(fd, p.add(done as usize).cast(), (len - done) as usize, off)
             };

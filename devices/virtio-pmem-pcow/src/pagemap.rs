@@ -239,13 +239,13 @@ impl PageScanner {
                 return_mask: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
                 ..PmScanArg::default()
             };
-            // SAFETY: `arg` is a correctly sized `pm_scan_arg` the kernel
-            // reads and updates (`walk_end`); `vec` points to `vec_len`
-            // writable `page_region`s that outlive the call. The scan reads
-            // page tables only and does not touch the scanned memory; with
-            // PM_SCAN_WP_MATCHING it also write-protects the pages it
-            // reports, which changes no content (a later write to them is
-            // resolved by the kernel: WP-async).
+            // `arg` is a correctly sized `pm_scan_arg` the kernel reads and
+            // updates (`walk_end`); `vec` points to `vec_len` writable
+            // `page_region`s that outlive the call. With PM_SCAN_WP_MATCHING
+            // the scan write-protects the pages it reports, which changes no
+            // content (the kernel resolves later writes: WP-async).
+            // SAFETY: so the ioctl writes only `arg` and `vec`, and reads
+            // page tables, never the scanned memory.
             let n = unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg) };
             if n < 0 {
                 return Err(PagemapError::Scan {

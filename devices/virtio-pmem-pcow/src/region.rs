@@ -205,10 +205,11 @@ impl Reservation {
                 libc::MAP_PRIVATE
             };
         let addr = (self.base as u64 + offset) as *mut libc::c_void;
-        // SAFETY: `check` proved `[addr, addr + len)` lies inside this
-        // reservation, which this value owns, so MAP_FIXED replaces only
-        // our own pages; no Rust reference into the region exists (it is
-        // reached through raw pointers only); the fd is open for the call.
+        // `check` proved `[addr, addr + len)` lies inside this reservation,
+        // which this value owns; the region is reached through raw
+        // pointers only, so no Rust reference into it exists.
+        // SAFETY: MAP_FIXED thus replaces only our own, unborrowed pages;
+        // the fd is open for the call.
         let p = unsafe {
             libc::mmap(
                 addr,
