@@ -43,6 +43,7 @@ use acpi_tables::{aml, Aml};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use crate::boot::layout;
+use crate::legacy::serial::{COM1_BASE, COM1_IRQ, COM1_SIZE};
 
 /// OEM id in every table.
 pub const OEM_ID: [u8; 6] = *b"PCOWHV";
@@ -179,7 +180,18 @@ fn dsdt(cfg: &AcpiConfig) -> Vec<u8> {
     let mbrd_crs = aml::Name::new("_CRS".into(), &mbrd_crs);
     let mbrd = aml::Device::new("MBRD".into(), vec![&mbrd_hid, &uid, &mbrd_crs]);
 
-    let sb = aml::Scope::new("\\_SB_".into(), vec![&pci0, &mbrd]);
+    // COM1 as an ACPI device: Linux maps its IRQ through the IO-APIC only
+    // for an interrupt some device's _CRS names (hardware-reduced ACPI has
+    // no legacy ISA IRQ table), and without that the port's interrupt
+    // (which drives every byte user space writes) never arrives.
+    let com1_hid = aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0501"));
+    let com1_irq = aml::Interrupt::new(true, true, false, false, COM1_IRQ);
+    let com1_io = aml::IO::new(COM1_BASE, COM1_BASE, 1, COM1_SIZE as u8);
+    let com1_crs = aml::ResourceTemplate::new(vec![&com1_irq, &com1_io]);
+    let com1_crs = aml::Name::new("_CRS".into(), &com1_crs);
+    let com1 = aml::Device::new("COM1".into(), vec![&com1_hid, &uid, &com1_crs]);
+
+    let sb = aml::Scope::new("\\_SB_".into(), vec![&pci0, &mbrd, &com1]);
     let s5_package = aml::Package::new(vec![&S5_SLEEP_TYPE]);
     let s5 = aml::Name::new("_S5_".into(), &s5_package);
 

@@ -40,7 +40,11 @@
 pub mod acpi;
 pub mod boot;
 pub mod config;
+pub mod control;
+pub mod cpu;
+pub mod irq;
 pub mod legacy;
+pub mod machine;
 pub mod pci;
 pub mod testguest;
 pub mod vcpu;

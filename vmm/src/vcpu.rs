@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use virtio_pmem_pcow::Quiesce;
+use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 /// How often a pause re-kicks vCPUs that have not acknowledged it.
@@ -543,17 +544,37 @@ pub fn spawn(
 
 /// [`spawn`] with MMIO exits going to `mmio`.
 pub fn spawn_with(
+    vcpu: Vcpu,
+    ctl: Arc<VcpuControl>,
+    io: Box<dyn PortIo>,
+    mmio: Box<dyn MmioBus>,
+) -> Result<VcpuThread, VcpuError> {
+    spawn_notifying(vcpu, ctl, io, mmio, None)
+}
+
+/// [`spawn_with`], and the thread writes `exited` (an eventfd the control
+/// loop polls) when its run ends, whatever the reason.
+pub fn spawn_notifying(
     mut vcpu: Vcpu,
     ctl: Arc<VcpuControl>,
     mut io: Box<dyn PortIo>,
     mut mmio: Box<dyn MmioBus>,
+    exited: Option<Arc<EventFd>>,
 ) -> Result<VcpuThread, VcpuError> {
     let id = vcpu.id;
     let idx = ctl.register();
     let c = ctl.clone();
     let spawned = std::thread::Builder::new()
         .name(format!("vcpu{id}"))
-        .spawn(move || vcpu.run_registered(&c, idx, &mut *io, &mut *mmio));
+        .spawn(move || {
+            let r = vcpu.run_registered(&c, idx, &mut *io, &mut *mmio);
+            if let Some(e) = exited {
+                if let Err(err) = e.write(1) {
+                    log::error!("vCPU {id}: signalling its exit: {err}");
+                }
+            }
+            r
+        });
     match spawned {
         Ok(handle) => Ok(VcpuThread { id, handle }),
         Err(source) => {

@@ -215,6 +215,16 @@ impl Vm {
         &self.fd
     }
 
+    /// The VM's fd, shared (interrupt routing, ioeventfds).
+    pub fn fd_arc(&self) -> Arc<VmFd> {
+        self.fd.clone()
+    }
+
+    /// The `/dev/kvm` handle the VM was created from.
+    pub fn kvm(&self) -> &Kvm {
+        &self._kvm
+    }
+
     /// Guest RAM.
     pub fn memory(&self) -> &GuestMemoryMmap {
         &self.memory

@@ -42,6 +42,11 @@ pub struct Mapping {
 // tied to the creating thread.
 unsafe impl Send for Mapping {}
 
+// SAFETY: `&Mapping` only hands out the address and length; every access
+// through that address is the caller's (the guest's, through a memslot),
+// so sharing the value between threads adds no data race of its own.
+unsafe impl Sync for Mapping {}
+
 impl Mapping {
     /// Host address of the first byte.
     pub fn as_ptr(&self) -> *mut u8 {
@@ -159,15 +164,22 @@ impl RawRegion {
     }
 }
 
-impl FlushBackend for RawRegion {
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+impl RawRegion {
+    /// Makes the guest's writes durable (a no-op with `discard_writes`).
+    pub fn sync(&self) -> std::io::Result<()> {
         if self.discard_writes {
             // Nothing the guest writes reaches the file.
             return Ok(());
         }
         // fdatasync writes back the page cache, including pages the guest
         // dirtied through the shared mapping.
-        self.file.sync_data()?;
+        self.file.sync_data()
+    }
+}
+
+impl FlushBackend for RawRegion {
+    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.sync()?;
         Ok(())
     }
 }

@@ -1,0 +1,363 @@
+//! The VMM thread's epoll loop: one thread owns the running machine and
+//! reacts to every event source of it.
+//!
+//! | source | action |
+//! |---|---|
+//! | a pmem device's userfaultfd and pool eventfd | the image monitor: map a cluster, wake the vCPU |
+//! | a queue notification (KVM ioeventfd) | serve the queue (a FLUSH is a barrier) |
+//! | the power eventfd (ACPI port, 0xcf9, i8042) | power off or reset |
+//! | the vCPU exit eventfd | a vCPU ended: triple fault (reset) or error |
+//! | the signalfd (SIGTERM, SIGINT) | clean exit |
+//! | standard input (`--serial tty`) | bytes for the serial port |
+//!
+//! [`run`] returns why the machine should end; [`stop`] then stops the
+//! vCPUs (still serving the monitors, so that a vCPU blocked in a fault
+//! can leave) and runs the final barriers.
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use crate::legacy::power::PowerEvent;
+use crate::machine::Machine;
+use crate::vcpu::VcpuStop;
+
+/// Why the control loop ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The guest powered off.
+    PowerOff,
+    /// The guest asked for a reset (or triple-faulted): boot it again.
+    Reset,
+    /// SIGTERM or SIGINT.
+    Signal(i32),
+    /// Something failed (a vCPU, the monitor): the message says what.
+    Failed(String),
+}
+
+/// Errors of the loop's own machinery.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("epoll: {what}")]
+    Epoll {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Token {
+    Power,
+    VcpuExit,
+    Signal,
+    Stdin,
+    Notify { dev: usize, queue: u16 },
+    Monitor { dev: usize, fd: RawFd },
+}
+
+/// The loop's registrations.
+struct Registry {
+    epoll: Epoll,
+    tokens: Vec<Token>,
+}
+
+impl Registry {
+    fn add(&mut self, fd: RawFd, token: Token) -> Result<(), ControlError> {
+        self.epoll
+            .ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, self.tokens.len() as u64),
+            )
+            .map_err(|source| ControlError::Epoll {
+                what: "registering an fd",
+                source,
+            })?;
+        self.tokens.push(token);
+        Ok(())
+    }
+
+    fn remove(&self, fd: RawFd) {
+        if let Err(e) = self
+            .epoll
+            .ctl(ControlOperation::Delete, fd, EpollEvent::default())
+        {
+            log::warn!("epoll: removing fd {fd}: {e}");
+        }
+    }
+}
+
+/// What the loop reads besides the machine: the signalfd and standard
+/// input (when the serial port is the terminal).
+pub struct Inputs {
+    /// A signalfd for SIGTERM and SIGINT (blocked in every thread).
+    pub signal_fd: RawFd,
+    /// Standard input for the serial port.
+    pub stdin: Option<RawFd>,
+}
+
+/// Serial input not yet taken by the guest (its FIFO holds 64 bytes).
+#[derive(Default)]
+struct PendingInput(VecDeque<u8>);
+
+impl PendingInput {
+    fn feed(&mut self, m: &Machine) {
+        let Some(serial) = &m.serial else {
+            self.0.clear();
+            return;
+        };
+        let mut s = serial.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.0.is_empty() {
+            let (a, _) = self.0.as_slices();
+            match s.enqueue_input(a) {
+                Ok(0) => break,
+                Ok(n) => {
+                    self.0.drain(..n);
+                }
+                Err(e) => {
+                    log::warn!("serial input: {e}");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+fn read_fd(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of its length for the call.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// The signal number a signalfd read returns, if one was pending.
+fn read_signal(fd: RawFd) -> Option<i32> {
+    // SAFETY: signalfd_siginfo is plain data; all-zero is a valid value.
+    let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::signalfd_siginfo>();
+    // SAFETY: `info` is valid for writes of `size` bytes for the call.
+    let n = unsafe { libc::read(fd, (&raw mut info).cast(), size) };
+    (n as usize == size).then_some(info.ssi_signo as i32)
+}
+
+fn registry(m: &Machine, inputs: &Inputs) -> Result<Registry, ControlError> {
+    let epoll = Epoll::new().map_err(|source| ControlError::Epoll {
+        what: "epoll_create",
+        source,
+    })?;
+    let mut r = Registry {
+        epoll,
+        tokens: Vec::new(),
+    };
+    use std::os::fd::AsRawFd;
+    r.add(m.power.as_raw_fd(), Token::Power)?;
+    r.add(m.vcpu_exit_fd(), Token::VcpuExit)?;
+    r.add(inputs.signal_fd, Token::Signal)?;
+    if let (Some(fd), Some(_)) = (inputs.stdin, &m.serial) {
+        // A regular file or /dev/null cannot be polled (EPERM): the guest
+        // then runs without input, as with a closed input.
+        if let Err(e) = r.add(fd, Token::Stdin) {
+            log::info!("standard input is not pollable, no serial input: {e}");
+        }
+    }
+    for (dev, p) in m.pmem.iter().enumerate() {
+        for (queue, fd) in p.notify.iter().enumerate() {
+            r.add(
+                fd.as_raw_fd(),
+                Token::Notify {
+                    dev,
+                    queue: queue as u16,
+                },
+            )?;
+        }
+        if let Some(mon) = &p.monitor {
+            for fd in mon.fds() {
+                r.add(fd, Token::Monitor { dev, fd })?;
+            }
+        }
+    }
+    Ok(r)
+}
+
+fn serve_monitor(m: &Machine, dev: usize, fd: RawFd) -> Result<(), String> {
+    let Some(mon) = m.pmem.get(dev).and_then(|p| p.monitor.as_ref()) else {
+        return Ok(());
+    };
+    mon.handle_fd(fd).map(|_| ()).map_err(|e| {
+        let mut msg = format!("pmem {}: image monitor: {e}", m.pmem[dev].id);
+        let mut src = std::error::Error::source(&e);
+        while let Some(s) = src {
+            msg.push_str(&format!(": {s}"));
+            src = s.source();
+        }
+        msg
+    })
+}
+
+/// Runs the machine until it should end.
+pub fn run(m: &mut Machine, inputs: &Inputs) -> Result<Outcome, ControlError> {
+    let reg = registry(m, inputs)?;
+    let mut events = vec![EpollEvent::default(); 32];
+    let mut pending = PendingInput::default();
+    let mut stdin_open = true;
+    loop {
+        // Input the guest's FIFO could not take yet is retried shortly.
+        let timeout = if pending.0.is_empty() { -1 } else { 10 };
+        let n = match reg.epoll.wait(timeout, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(source) => {
+                return Err(ControlError::Epoll {
+                    what: "epoll_wait",
+                    source,
+                })
+            }
+        };
+        pending.feed(m);
+        for ev in &events[..n] {
+            let Some(&token) = reg.tokens.get(ev.data() as usize) else {
+                continue;
+            };
+            match token {
+                Token::Monitor { dev, fd } => {
+                    if let Err(e) = serve_monitor(m, dev, fd) {
+                        return Ok(Outcome::Failed(e));
+                    }
+                }
+                Token::Notify { dev, queue } => {
+                    let p = &m.pmem[dev];
+                    if let Some(fd) = p.notify.get(usize::from(queue)) {
+                        let _ = fd.read();
+                    }
+                    p.virtio
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .notify_queue(queue);
+                }
+                Token::Power => {
+                    if let Some(e) = m.power.try_recv() {
+                        log::info!("guest power event: {e:?}");
+                        return Ok(match e {
+                            PowerEvent::PowerOff => Outcome::PowerOff,
+                            PowerEvent::Reset => Outcome::Reset,
+                        });
+                    }
+                }
+                Token::VcpuExit => {
+                    for r in m.reap_vcpus() {
+                        match r {
+                            Ok((VcpuStop::Shutdown, _)) => {
+                                log::info!("a vCPU shut down (triple fault): reset");
+                                return Ok(Outcome::Reset);
+                            }
+                            Ok((stop, stats)) => {
+                                log::info!("a vCPU ended: {stop:?} ({stats:?})");
+                            }
+                            Err(e) => {
+                                let mut msg = e.to_string();
+                                let mut src = std::error::Error::source(&e);
+                                while let Some(s) = src {
+                                    msg.push_str(&format!(": {s}"));
+                                    src = s.source();
+                                }
+                                return Ok(Outcome::Failed(msg));
+                            }
+                        }
+                    }
+                    if !m.vcpus_running() {
+                        return Ok(Outcome::Failed("every vCPU has ended".into()));
+                    }
+                }
+                Token::Signal => {
+                    if let Some(sig) = read_signal(inputs.signal_fd) {
+                        log::info!("signal {sig}: stopping the VM");
+                        return Ok(Outcome::Signal(sig));
+                    }
+                }
+                Token::Stdin => {
+                    let Some(fd) = inputs.stdin.filter(|_| stdin_open) else {
+                        continue;
+                    };
+                    let mut buf = [0u8; 256];
+                    match read_fd(fd, &mut buf) {
+                        Ok(0) => {
+                            // EOF: the guest keeps running without input.
+                            reg.remove(fd);
+                            stdin_open = false;
+                        }
+                        Ok(k) => {
+                            pending.0.extend(&buf[..k]);
+                            pending.feed(m);
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => {
+                            log::warn!("standard input: {e}; serial input stops");
+                            reg.remove(fd);
+                            stdin_open = false;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// How long [`stop`] waits for the vCPUs to leave `KVM_RUN`.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Stops the vCPUs, serving the image monitors until every vCPU thread
+/// has ended (a vCPU blocked in a fault needs the monitor to leave), then
+/// runs the final barrier of every device. Returns how many barriers
+/// failed, or an error when the vCPUs did not stop in time.
+pub fn stop(m: &mut Machine) -> Result<usize, String> {
+    m.stop_vcpus();
+    let epoll = Epoll::new().map_err(|e| format!("epoll_create: {e}"))?;
+    let mut monitors = Vec::new();
+    for (dev, p) in m.pmem.iter().enumerate() {
+        if let Some(mon) = &p.monitor {
+            for fd in mon.fds() {
+                let data = monitors.len() as u64;
+                epoll
+                    .ctl(
+                        ControlOperation::Add,
+                        fd,
+                        EpollEvent::new(EventSet::IN, data),
+                    )
+                    .map_err(|e| format!("epoll_ctl: {e}"))?;
+                monitors.push((dev, fd));
+            }
+        }
+    }
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    let mut events = vec![EpollEvent::default(); 8];
+    while m.vcpus_running() {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "the vCPUs did not stop within {} s",
+                STOP_TIMEOUT.as_secs()
+            ));
+        }
+        m.stop_vcpus();
+        let n = epoll.wait(5, &mut events).unwrap_or(0);
+        for ev in &events[..n] {
+            if let Some(&(dev, fd)) = monitors.get(ev.data() as usize) {
+                if let Err(e) = serve_monitor(m, dev, fd) {
+                    log::error!("{e}");
+                }
+            }
+        }
+    }
+    for r in m.reap_vcpus() {
+        if let Err(e) = r {
+            log::warn!("{e}");
+        }
+    }
+    Ok(m.final_barriers())
+}

@@ -1,0 +1,528 @@
+//! The whole virtual machine, built from a validated [`VmConfig`]: the KVM
+//! VM with its in-kernel irqchip, guest RAM with the kernel and boot data,
+//! ACPI tables, the pmem devices (each a region from the device crate
+//! behind a virtio-pci function, its memslot above RAM), the PCI bus, the
+//! legacy ports, and the vCPUs configured and ready to start.
+//!
+//! [`Machine::build`] does everything that can fail before any guest code
+//! runs, so a bad kernel, a bad image or a busy lock is an error before
+//! the guest starts. [`Machine::start`] spawns the vCPU threads; the
+//! control loop ([`crate::control`]) then owns the machine and ends it
+//! with [`Machine::shutdown`], which stops the vCPUs and runs the final
+//! barrier on every device.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use virtio_pmem_pcow::{FlushBackend, Monitor, PcowRegion, PmemDevice, RawRegion, RegionOptions};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::acpi::{self, AcpiConfig};
+use crate::boot::linux::{self, BootSource};
+use crate::config::{PmemFormat, ValidatedPmem, VmConfig};
+use crate::cpu;
+use crate::irq::{self, GsiRouter, MsixIrqs};
+use crate::legacy::ports::PortBusBuilder;
+use crate::legacy::power::{power_channel, PowerDevice, PowerEventReceiver};
+use crate::legacy::serial::{SerialDevice, SharedSerial, COM1_IRQ};
+use crate::pci::virtio_pci::{BAR_INDEX, NOTIFY_OFFSET, NOTIFY_OFF_MULTIPLIER};
+use crate::pci::{BarMove, Mmio64Window, PciBus, PciConfigIo, PmemVirtio, VirtioPciDevice};
+use crate::vcpu::{self, MmioBus, Vcpu, VcpuControl, VcpuThread};
+use crate::vm::{Memslot, Vm};
+
+/// Errors of building and starting a machine.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    #[error("the config has no kernel (--kernel)")]
+    NoKernel,
+    #[error("creating the VM")]
+    Vm(#[source] crate::vm::VmError),
+    #[error("KVM_CREATE_IRQCHIP")]
+    Irqchip(#[source] kvm_ioctls::Error),
+    #[error("interrupt setup")]
+    Irq(#[source] irq::IrqError),
+    #[error("vCPU setup")]
+    Cpu(#[source] cpu::CpuError),
+    #[error("vCPU")]
+    Vcpu(#[source] vcpu::VcpuError),
+    #[error("loading the kernel")]
+    Boot(#[source] crate::boot::BootError),
+    #[error("writing the ACPI tables")]
+    Acpi(#[source] acpi::AcpiError),
+    #[error("pmem device {id} ({}): discard_writes=on is for raw files; for a pcow image take a snapshot or an overlay instead", path.display())]
+    PcowDiscardWrites { id: String, path: PathBuf },
+    #[error("pmem device {id} ({})", path.display())]
+    PcowRegion {
+        id: String,
+        path: PathBuf,
+        #[source]
+        source: Box<virtio_pmem_pcow::RegionError>,
+    },
+    #[error("pmem device {id} ({})", path.display())]
+    RawRegion {
+        id: String,
+        path: PathBuf,
+        #[source]
+        source: virtio_pmem_pcow::RawError,
+    },
+    #[error("pmem device {id}: the region is {len:#x} bytes, the config says {size:#x}")]
+    RegionSize { id: String, len: u64, size: u64 },
+    #[error("pmem device {id}: memslot")]
+    Memslot {
+        id: String,
+        #[source]
+        source: crate::vm::VmError,
+    },
+    #[error("pmem device {id}: virtio-pci function")]
+    VirtioPci {
+        id: String,
+        #[source]
+        source: crate::pci::VirtioPciError,
+    },
+    #[error("PCI bus")]
+    Pci(#[source] crate::pci::PciError),
+    #[error("legacy ports")]
+    Ports(#[source] crate::legacy::ports::PortsError),
+    #[error("serial port")]
+    Serial(#[source] crate::legacy::serial::SerialError),
+    #[error("power events")]
+    Power(#[source] crate::legacy::power::PowerError),
+    #[error("creating an eventfd")]
+    EventFd(#[source] std::io::Error),
+}
+
+/// The flush backend of a pmem device: the region is shared with the
+/// machine, which runs the final barrier and reports status.
+#[derive(Clone)]
+pub enum PmemBackend {
+    /// A pcow chain.
+    Pcow(Arc<PcowRegion>),
+    /// A raw file (upstream behaviour).
+    Raw(Arc<RawRegion>),
+}
+
+impl FlushBackend for PmemBackend {
+    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        match self {
+            PmemBackend::Pcow(r) => {
+                r.barrier()?;
+            }
+            PmemBackend::Raw(r) => r.sync()?,
+        }
+        Ok(())
+    }
+}
+
+/// One pmem device of a machine.
+pub struct Pmem {
+    // Field order is drop order: the memslot goes before the region it
+    // points at can be unmapped.
+    slot: Memslot,
+    /// The device id.
+    pub id: String,
+    /// The backing file.
+    pub file: PathBuf,
+    /// Its format.
+    pub format: PmemFormat,
+    /// The virtio-pci function.
+    pub virtio: Arc<Mutex<VirtioPciDevice>>,
+    /// The userfaultfd monitor (pcow only), served by the control loop.
+    pub monitor: Option<Arc<Monitor>>,
+    /// The region.
+    pub backend: PmemBackend,
+    /// Queue notification eventfds (one per queue), as the control loop
+    /// polls them.
+    pub notify: Vec<EventFd>,
+}
+
+impl Pmem {
+    /// Guest-physical address of the region.
+    pub fn gpa(&self) -> u64 {
+        self.slot.gpa()
+    }
+
+    /// Size of the region.
+    pub fn size(&self) -> u64 {
+        self.slot.len()
+    }
+}
+
+/// The queue notify ioeventfds of every virtio-pci function, moved with
+/// its BAR (the bus's hook reports every change of what a BAR decodes).
+struct IoEvents {
+    vm: Arc<VmFd>,
+    /// Per PCI slot: the queues' eventfds.
+    devices: HashMap<u8, Vec<EventFd>>,
+}
+
+impl IoEvents {
+    fn addr(base: u64, queue: usize) -> IoEventAddress {
+        IoEventAddress::Mmio(base + NOTIFY_OFFSET + queue as u64 * u64::from(NOTIFY_OFF_MULTIPLIER))
+    }
+
+    fn bar_moved(&self, m: BarMove) {
+        if m.bar != BAR_INDEX {
+            return;
+        }
+        let Some(fds) = self.devices.get(&m.address.device) else {
+            return;
+        };
+        for (q, fd) in fds.iter().enumerate() {
+            if let Some(old) = m.old {
+                if let Err(e) = self
+                    .vm
+                    .unregister_ioevent(fd, &Self::addr(old, q), NoDatamatch)
+                {
+                    log::warn!(
+                        "{}: queue {q}: removing the ioeventfd at {old:#x}: {e}",
+                        m.address
+                    );
+                }
+            }
+            if let Some(new) = m.new {
+                // Without the ioeventfd the notification still arrives,
+                // as an MMIO exit served on the vCPU thread.
+                if let Err(e) = self
+                    .vm
+                    .register_ioevent(fd, &Self::addr(new, q), NoDatamatch)
+                {
+                    log::warn!("{}: queue {q}: ioeventfd at {new:#x}: {e}", m.address);
+                }
+            }
+        }
+        log::debug!("{}: BAR {} {:x?} -> {:x?}", m.address, m.bar, m.old, m.new);
+    }
+}
+
+/// The PCI bus as a vCPU's MMIO handler.
+struct PciMmio(Arc<Mutex<PciBus>>);
+
+impl MmioBus for PciMmio {
+    fn mmio_read(&mut self, addr: u64, data: &mut [u8]) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .mmio_read(addr, data)
+    }
+
+    fn mmio_write(&mut self, addr: u64, data: &[u8]) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .mmio_write(addr, data)
+    }
+}
+
+/// A built machine.
+pub struct Machine {
+    // Field order is drop order: vCPU threads are joined (by `shutdown`)
+    // before anything here drops; the pmem memslots go before the VM.
+    threads: Vec<VcpuThread>,
+    vcpus: Vec<Vcpu>,
+    /// The pmem devices, in config order.
+    pub pmem: Vec<Pmem>,
+    /// The serial port (absent with `--serial off`).
+    pub serial: Option<SharedSerial>,
+    /// Guest power-off and reset requests.
+    pub power: PowerEventReceiver,
+    /// Written by each vCPU thread when its run ends.
+    pub vcpu_exit: Arc<EventFd>,
+    /// Pause/resume of the vCPUs (the pmem barriers hold them through it).
+    pub ctl: Arc<VcpuControl>,
+    bus: Arc<Mutex<PciBus>>,
+    ports: crate::legacy::ports::PortBus,
+    _router: Arc<GsiRouter>,
+    vm: Vm,
+}
+
+fn cap<T>(id: &str, r: Result<T, crate::vm::VmError>) -> Result<T, MachineError> {
+    r.map_err(|source| MachineError::Memslot {
+        id: id.to_owned(),
+        source,
+    })
+}
+
+impl Machine {
+    /// Builds the machine for `config`, whose validation returned `pmem`.
+    pub fn build(config: &VmConfig, pmem: &[ValidatedPmem]) -> Result<Machine, MachineError> {
+        let payload = config.payload.as_ref();
+        let kernel = payload
+            .and_then(|p| p.kernel.as_deref())
+            .ok_or(MachineError::NoKernel)?;
+        let ram_size = config.memory.size;
+        let nvcpus = config.cpus.boot_vcpus;
+
+        let vm = Vm::new(&crate::vm::VmConfig { ram_size }).map_err(MachineError::Vm)?;
+        vm.fd().create_irq_chip().map_err(MachineError::Irqchip)?;
+        let router = GsiRouter::new(vm.fd_arc());
+        router.install_defaults().map_err(MachineError::Irq)?;
+        let ctl = VcpuControl::new().map_err(MachineError::Vcpu)?;
+
+        // pmem regions and their memslots, 2 MiB aligned above RAM.
+        let mut regions = Vec::new();
+        for p in pmem {
+            let cfg = config
+                .pmem()
+                .iter()
+                .find(|c| c.id.as_deref() == Some(p.id.as_str()));
+            let discard = cfg.is_some_and(|c| c.discard_writes);
+            let (backend, monitor, host, len) = match p.format {
+                PmemFormat::Pcow => {
+                    if discard {
+                        return Err(MachineError::PcowDiscardWrites {
+                            id: p.id.clone(),
+                            path: p.file.clone(),
+                        });
+                    }
+                    let (region, monitor) =
+                        PcowRegion::open(&p.file, ctl.clone(), &RegionOptions::default()).map_err(
+                            |source| MachineError::PcowRegion {
+                                id: p.id.clone(),
+                                path: p.file.clone(),
+                                source: Box::new(source),
+                            },
+                        )?;
+                    let (host, len) = (region.host_addr(), region.len());
+                    (
+                        PmemBackend::Pcow(Arc::new(region)),
+                        Some(Arc::new(monitor)),
+                        host,
+                        len,
+                    )
+                }
+                PmemFormat::Raw => {
+                    let region = RawRegion::open(&p.file, discard).map_err(|source| {
+                        MachineError::RawRegion {
+                            id: p.id.clone(),
+                            path: p.file.clone(),
+                            source,
+                        }
+                    })?;
+                    let m = region.mapping();
+                    let (host, len) = (m.as_ptr(), m.len() as u64);
+                    (PmemBackend::Raw(Arc::new(region)), None, host, len)
+                }
+            };
+            // A raw file may be longer than the device (size=): the guest
+            // sees the first `size` bytes.
+            if len < p.size || (p.format == PmemFormat::Pcow && len != p.size) {
+                return Err(MachineError::RegionSize {
+                    id: p.id.clone(),
+                    len,
+                    size: p.size,
+                });
+            }
+            let gpa = cap(&p.id, vm.next_region_gpa())?;
+            // SAFETY: the region stays mapped until after the memslot is
+            // dropped: `Pmem` declares `slot` before `backend` and
+            // `monitor`, which keep the mapping alive, so the slot drops
+            // first.
+            let slot = cap(&p.id, unsafe { vm.add_region(gpa, host, p.size) })?;
+            regions.push((p, slot, backend, monitor));
+        }
+        let regions_end = regions
+            .iter()
+            .map(|r| r.1.gpa() + r.1.len())
+            .max()
+            .unwrap_or(0);
+        let window = Mmio64Window::above(regions_end.max(vm.ram_end()));
+        let mut bus = PciBus::new(window);
+
+        let mut io_events = IoEvents {
+            vm: vm.fd_arc(),
+            devices: HashMap::new(),
+        };
+        let mut devices = Vec::new();
+        for (p, slot, backend, monitor) in regions {
+            let virtio = PmemVirtio::new(PmemDevice::new(slot.gpa(), slot.len(), backend.clone()));
+            let nqueues = 1u16;
+            let irqs = MsixIrqs::new(router.clone(), nqueues + 1).map_err(MachineError::Irq)?;
+            let dev = VirtioPciDevice::new(Box::new(virtio), vm.memory().clone(), Arc::new(irqs))
+                .map_err(|source| MachineError::VirtioPci {
+                id: p.id.clone(),
+                source,
+            })?;
+            let dev = Arc::new(Mutex::new(dev));
+            let addr = bus.add_device(dev.clone()).map_err(MachineError::Pci)?;
+            let mut kvm_fds = Vec::new();
+            let mut loop_fds = Vec::new();
+            for _ in 0..nqueues {
+                let fd = EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?;
+                loop_fds.push(fd.try_clone().map_err(MachineError::EventFd)?);
+                kvm_fds.push(fd);
+            }
+            io_events.devices.insert(addr.device, kvm_fds);
+            log::info!(
+                "pmem {}: {} ({:?}) at guest {:#x}, {} MiB, PCI {addr}",
+                p.id,
+                p.file.display(),
+                p.format,
+                slot.gpa(),
+                slot.len() >> 20
+            );
+            devices.push(Pmem {
+                slot,
+                id: p.id.clone(),
+                file: p.file.clone(),
+                format: p.format,
+                virtio: dev,
+                monitor,
+                backend,
+                notify: loop_fds,
+            });
+        }
+        // Nothing decodes yet (memory space is off until the guest's
+        // driver enables it): the hook registers each notify address when
+        // its BAR starts decoding.
+        let io_events = Arc::new(io_events);
+        let ev = io_events.clone();
+        bus.set_bar_hook(move |m| ev.bar_moved(m));
+        let bus = Arc::new(Mutex::new(bus));
+
+        // Legacy devices.
+        let (power_tx, power) = power_channel().map_err(MachineError::Power)?;
+        let serial_irq = irq::irqfd(vm.fd(), COM1_IRQ).map_err(MachineError::Irq)?;
+        let serial = SerialDevice::from_config(&config.serial, Box::new(serial_irq))
+            .map_err(MachineError::Serial)?
+            .map(SerialDevice::shared);
+        let mut ports = PortBusBuilder::new();
+        if let Some(s) = &serial {
+            ports.add_serial(s.clone()).map_err(MachineError::Ports)?;
+        }
+        ports
+            .add_power(PowerDevice::new(power_tx).shared())
+            .map_err(MachineError::Ports)?;
+        ports
+            .add_pci_config(PciConfigIo::new(bus.clone()))
+            .map_err(MachineError::Ports)?;
+        let ports = ports.build();
+
+        // Guest memory: kernel, initramfs, command line, boot data, ACPI.
+        let boot = linux::load(
+            vm.memory(),
+            &BootSource {
+                kernel,
+                initramfs: payload.and_then(|p| p.initramfs.as_deref()),
+                cmdline: payload.and_then(|p| p.cmdline.as_deref()).unwrap_or(""),
+                ram_size,
+            },
+        )
+        .map_err(MachineError::Boot)?;
+        acpi::create_acpi_tables(
+            vm.memory(),
+            &AcpiConfig {
+                vcpus: usize::from(nvcpus),
+                pci_mmio64_start: window.base,
+                pci_mmio64_size: window.size,
+            },
+        )
+        .map_err(MachineError::Acpi)?;
+
+        // vCPUs: CPUID, MSRs, FPU, LAPIC; the boot vCPU's registers.
+        let base_cpuid = cpu::supported_cpuid(vm.kvm()).map_err(MachineError::Cpu)?;
+        let tsc_deadline = cpu::tsc_deadline(vm.kvm());
+        let mut vcpus = Vec::new();
+        for id in 0..nvcpus {
+            let v = vm.create_vcpu(id).map_err(MachineError::Vm)?;
+            let cpuid = cpu::patch_cpuid(&base_cpuid, id, nvcpus, tsc_deadline);
+            cpu::configure(&v, &cpuid).map_err(MachineError::Cpu)?;
+            if id == 0 {
+                v.set_regs(&boot.vcpu.regs()).map_err(MachineError::Vcpu)?;
+                v.update_sregs(|s| boot.vcpu.apply_sregs(s))
+                    .map_err(MachineError::Vcpu)?;
+            }
+            vcpus.push(v);
+        }
+        log::info!(
+            "machine: {nvcpus} vCPU(s), {} MiB RAM, kernel {} ({:?}), {} pmem device(s)",
+            ram_size >> 20,
+            kernel.display(),
+            boot.protocol,
+            devices.len()
+        );
+        Ok(Machine {
+            threads: Vec::new(),
+            vcpus,
+            pmem: devices,
+            serial,
+            power,
+            vcpu_exit: Arc::new(EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?),
+            ctl,
+            bus,
+            ports,
+            _router: router,
+            vm,
+        })
+    }
+
+    /// Starts every vCPU on its own thread.
+    pub fn start(&mut self) -> Result<(), MachineError> {
+        for v in self.vcpus.drain(..) {
+            let t = vcpu::spawn_notifying(
+                v,
+                self.ctl.clone(),
+                Box::new(self.ports.clone()),
+                Box::new(PciMmio(self.bus.clone())),
+                Some(self.vcpu_exit.clone()),
+            )
+            .map_err(MachineError::Vcpu)?;
+            self.threads.push(t);
+        }
+        Ok(())
+    }
+
+    /// The KVM VM.
+    pub fn vm(&self) -> &Vm {
+        &self.vm
+    }
+
+    /// The eventfd of the vCPU exits.
+    pub fn vcpu_exit_fd(&self) -> RawFd {
+        self.vcpu_exit.as_raw_fd()
+    }
+
+    /// Takes the vCPU threads that have ended, with their results.
+    pub fn reap_vcpus(&mut self) -> Vec<vcpu::VcpuResult> {
+        let _ = self.vcpu_exit.read();
+        let (done, running): (Vec<_>, Vec<_>) =
+            self.threads.drain(..).partition(|t| t.is_finished());
+        self.threads = running;
+        done.into_iter().map(VcpuThread::join).collect()
+    }
+
+    /// Whether any vCPU thread is still running.
+    pub fn vcpus_running(&self) -> bool {
+        self.threads.iter().any(|t| !t.is_finished())
+    }
+
+    /// Asks every vCPU to stop (they leave `KVM_RUN` at the kick).
+    pub fn stop_vcpus(&self) {
+        self.ctl.stop();
+    }
+
+    /// Runs the barrier of every device (raw: fsync). Errors are logged and
+    /// counted; returns how many failed.
+    pub fn final_barriers(&self) -> usize {
+        let mut failed = 0;
+        for p in &self.pmem {
+            let r = match &p.backend {
+                PmemBackend::Pcow(r) => r
+                    .barrier()
+                    .map(|s| {
+                        log::info!("pmem {}: final barrier: {s:?}", p.id);
+                    })
+                    .map_err(|e| e.to_string()),
+                PmemBackend::Raw(r) => r.sync().map_err(|e| e.to_string()),
+            };
+            if let Err(e) = r {
+                log::error!("pmem {}: final barrier failed: {e}", p.id);
+                failed += 1;
+            }
+        }
+        failed
+    }
+}
