@@ -262,6 +262,18 @@ impl Machine {
         router.install_defaults().map_err(MachineError::Irq)?;
         let ctl = VcpuControl::new().map_err(MachineError::Vcpu)?;
 
+        // The kernel first: a file that is not a kernel fails before any
+        // image is opened.
+        let boot = linux::load(
+            vm.memory(),
+            &BootSource {
+                kernel,
+                initramfs: payload.and_then(|p| p.initramfs.as_deref()),
+                cmdline: payload.and_then(|p| p.cmdline.as_deref()).unwrap_or(""),
+                ram_size,
+            },
+        )
+        .map_err(MachineError::Boot)?;
         // pmem regions and their memslots, 2 MiB aligned above RAM.
         let mut regions = Vec::new();
         for p in pmem {
@@ -401,17 +413,7 @@ impl Machine {
             .map_err(MachineError::Ports)?;
         let ports = ports.build();
 
-        // Guest memory: kernel, initramfs, command line, boot data, ACPI.
-        let boot = linux::load(
-            vm.memory(),
-            &BootSource {
-                kernel,
-                initramfs: payload.and_then(|p| p.initramfs.as_deref()),
-                cmdline: payload.and_then(|p| p.cmdline.as_deref()).unwrap_or(""),
-                ram_size,
-            },
-        )
-        .map_err(MachineError::Boot)?;
+        // ACPI tables, now that the PCI window is known.
         acpi::create_acpi_tables(
             vm.memory(),
             &AcpiConfig {

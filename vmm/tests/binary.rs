@@ -1,0 +1,382 @@
+//! The `cloud-hypervisor` binary as a user runs it.
+//!
+//! Bad input is refused before any guest starts: one clear error line, a
+//! non-zero exit, and every image file byte-identical afterwards. None of
+//! these cases reaches `KVM_RUN`, so they need no usable KVM.
+//!
+//! With KVM (the host's emulating KVM is enough: the guest only halts), a
+//! running VM ends with exit code 0 on SIGTERM after its final barrier.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cloud-hypervisor");
+const MIB: u64 = 1 << 20;
+
+struct Run {
+    code: Option<i32>,
+    stderr: String,
+    stdout: String,
+}
+
+fn run(args: &[&str]) -> Run {
+    let out = Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("running cloud-hypervisor");
+    Run {
+        code: out.status.code(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+    }
+}
+
+/// Runs with `args`, expects exit 1 and one stderr line containing every
+/// needle.
+fn refused(args: &[&str], needles: &[&str]) -> String {
+    let r = run(args);
+    assert_eq!(r.code, Some(1), "exit code for {args:?}: {}", r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one error line for {args:?}, got:\n{}",
+        r.stderr
+    );
+    for n in needles {
+        assert!(
+            lines[0].contains(n),
+            "error for {args:?} should name {n:?}: {}",
+            lines[0]
+        );
+    }
+    assert!(r.stdout.is_empty(), "no guest output: {}", r.stdout);
+    lines[0].to_owned()
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        Fixture {
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn s(&self, name: &str) -> String {
+        self.path(name).to_string_lossy().into_owned()
+    }
+
+    /// A file that is not a kernel.
+    fn not_a_kernel(&self) -> String {
+        std::fs::write(self.path("kernel"), vec![0x5a; 64 * 1024]).unwrap();
+        self.s("kernel")
+    }
+
+    /// A minimal ELF "kernel" with a PVH entry note whose code halts
+    /// forever: enough for the VMM to build the whole machine.
+    fn halting_kernel(&self) -> String {
+        const LOAD: u64 = 0x10_0000;
+        const NOTE_OFF: u64 = 64 + 2 * 56;
+        const CODE_OFF: u64 = 0x1000;
+        let code = [0xf4u8, 0xeb, 0xfd]; // hlt; jmp back to hlt
+        let mut e = Vec::new();
+        e.extend_from_slice(&[0x7f, b'E', b'L', b'F', 2, 1, 1, 0]);
+        e.extend_from_slice(&[0; 8]);
+        e.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+        e.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
+        e.extend_from_slice(&1u32.to_le_bytes());
+        e.extend_from_slice(&LOAD.to_le_bytes()); // e_entry
+        e.extend_from_slice(&64u64.to_le_bytes()); // e_phoff
+        e.extend_from_slice(&0u64.to_le_bytes()); // e_shoff
+        e.extend_from_slice(&0u32.to_le_bytes()); // e_flags
+        for v in [64u16, 56, 2, 64, 0, 0] {
+            // ehsize, phentsize, phnum, shentsize, shnum, shstrndx
+            e.extend_from_slice(&v.to_le_bytes());
+        }
+        let note_len = 12 + 4 + 4;
+        let phdr =
+            |e: &mut Vec<u8>, ty: u32, flags: u32, off: u64, addr: u64, len: u64, align: u64| {
+                e.extend_from_slice(&ty.to_le_bytes());
+                e.extend_from_slice(&flags.to_le_bytes());
+                for v in [off, addr, addr, len, len, align] {
+                    e.extend_from_slice(&v.to_le_bytes());
+                }
+            };
+        phdr(&mut e, 1, 5, CODE_OFF, LOAD, code.len() as u64, 0x1000); // PT_LOAD
+        phdr(&mut e, 4, 4, NOTE_OFF, 0, note_len, 4); // PT_NOTE
+                                                      // XEN_ELFNOTE_PHYS32_ENTRY (18), name "Xen", the 32-bit entry.
+        for v in [4u32, 4, 18] {
+            e.extend_from_slice(&v.to_le_bytes());
+        }
+        e.extend_from_slice(b"Xen\0");
+        e.extend_from_slice(&(LOAD as u32).to_le_bytes());
+        e.resize(CODE_OFF as usize, 0);
+        e.extend_from_slice(&code);
+        std::fs::write(self.path("vmlinux"), e).unwrap();
+        self.s("vmlinux")
+    }
+
+    /// A pcow image of `size` with some data written.
+    fn pcow(&self, name: &str, size: u64) -> String {
+        let opts = CreateOptions {
+            virtual_size: Some(size),
+            ..CreateOptions::default()
+        };
+        let mut img = Image::create(self.path(name), &opts).expect("create image");
+        img.write_at(b"pcow data", 4096).expect("write");
+        img.flush().expect("barrier");
+        drop(img);
+        self.s(name)
+    }
+}
+
+fn bytes(p: &str) -> Vec<u8> {
+    std::fs::read(p).unwrap_or_else(|e| panic!("{p}: {e}"))
+}
+
+#[test]
+fn a_kernel_that_is_not_a_kernel_is_refused_before_any_image_is_opened() {
+    let f = Fixture::new();
+    let kernel = f.not_a_kernel();
+    let img = f.pcow("a.pcow", 4 * MIB);
+    let before = bytes(&img);
+    refused(
+        &[
+            "--kernel",
+            &kernel,
+            "--pmem",
+            &format!("file={img}"),
+            "--console",
+            "off",
+        ],
+        &["not a Linux kernel", &kernel],
+    );
+    assert!(bytes(&img) == before, "{} changed", img);
+}
+
+#[test]
+fn a_raw_file_that_is_not_a_2mib_multiple_is_refused() {
+    let f = Fixture::new();
+    let kernel = f.not_a_kernel();
+    let raw = f.s("raw.img");
+    std::fs::write(&raw, vec![7u8; 3 * 1024 * 1024 + 4096]).unwrap();
+    let before = bytes(&raw);
+    refused(
+        &["--kernel", &kernel, "--pmem", &format!("file={raw}")],
+        &[&raw, "2 MiB"],
+    );
+    assert!(bytes(&raw) == before, "{} changed", raw);
+}
+
+#[test]
+fn a_pcow_image_whose_size_is_not_a_2mib_multiple_names_pcow_img_resize() {
+    let f = Fixture::new();
+    let kernel = f.not_a_kernel();
+    let img = f.pcow("odd.pcow", 3 * MIB);
+    let before = bytes(&img);
+    refused(
+        &["--kernel", &kernel, "--pmem", &format!("file={img}")],
+        &[&img, "pcow-img resize"],
+    );
+    assert!(bytes(&img) == before, "{} changed", img);
+}
+
+#[test]
+fn a_corrupt_pcow_image_is_refused_and_left_as_it_was() {
+    let f = Fixture::new();
+    let kernel = f.not_a_kernel();
+    let img = f.pcow("bad.pcow", 4 * MIB);
+    let mut b = bytes(&img);
+    // A header length the format does not have.
+    b[12] ^= 0x40;
+    std::fs::write(&img, &b).unwrap();
+    refused(
+        &["--kernel", &kernel, "--pmem", &format!("file={img}")],
+        &[&img],
+    );
+    assert!(bytes(&img) == b, "{} changed", img);
+}
+
+#[test]
+fn a_missing_base_image_is_refused() {
+    let f = Fixture::new();
+    let kernel = f.not_a_kernel();
+    let base = f.pcow("base.pcow", 4 * MIB);
+    let top = f.path("top.pcow");
+    let opts = CreateOptions {
+        virtual_size: Some(4 * MIB),
+        base: Some(BaseRef {
+            name: "base.pcow".into(),
+            format: BaseFormat::Pcow,
+        }),
+        ..CreateOptions::default()
+    };
+    Image::create(&top, &opts).expect("overlay");
+    std::fs::remove_file(&base).unwrap();
+    let top = top.to_string_lossy().into_owned();
+    let before = bytes(&top);
+    refused(
+        &["--kernel", &kernel, "--pmem", &format!("file={top}")],
+        &["base.pcow"],
+    );
+    assert!(bytes(&top) == before, "{} changed", top);
+}
+
+#[test]
+fn two_devices_on_the_same_file_are_refused() {
+    let f = Fixture::new();
+    let kernel = f.not_a_kernel();
+    let img = f.pcow("a.pcow", 4 * MIB);
+    // The same file under a second name.
+    let link = f.path("link.pcow");
+    std::os::unix::fs::symlink(Path::new(&img), &link).unwrap();
+    let link = link.to_string_lossy().into_owned();
+    let before = bytes(&img);
+    refused(
+        &[
+            "--kernel",
+            &kernel,
+            "--pmem",
+            &format!("file={img}"),
+            "--pmem",
+            &format!("file={link}"),
+        ],
+        &["same file"],
+    );
+    assert!(bytes(&img) == before, "{} changed", img);
+}
+
+#[test]
+fn a_pcow_image_locked_by_another_writer_is_refused() {
+    let f = Fixture::new();
+    let kernel = f.halting_kernel();
+    let img = f.pcow("a.pcow", 4 * MIB);
+    let holder = Image::open(Path::new(&img), OpenOptions::read_write()).expect("hold the image");
+    let before = bytes(&img);
+    refused(
+        &["--kernel", &kernel, "--pmem", &format!("file={img}")],
+        &[&img],
+    );
+    assert!(bytes(&img) == before, "{} changed", img);
+    drop(holder);
+}
+
+#[test]
+fn bad_option_values_are_one_line_and_exit_1() {
+    let f = Fixture::new();
+    let kernel = f.not_a_kernel();
+    refused(&["--kernel", &kernel, "--cpus", "boot=0"], &["boot"]);
+    refused(
+        &["--kernel", &kernel, "--memory", "size=lots"],
+        &["--memory"],
+    );
+    refused(
+        &["--kernel", &kernel, "--pmem", "size=2M"],
+        &["--pmem", "file"],
+    );
+    refused(&["--kernel", &kernel, "--serial", "pty"], &["serial"]);
+    refused(&["--frobnicate"], &["--frobnicate"]);
+    refused(&["--kernel", &f.s("missing-kernel")], &["missing-kernel"]);
+}
+
+#[test]
+fn help_and_version_exit_0() {
+    let r = run(&["--help"]);
+    assert_eq!(r.code, Some(0));
+    assert!(r.stdout.contains("--pmem"), "{}", r.stdout);
+    let r = run(&["--version"]);
+    assert_eq!(r.code, Some(0));
+    assert!(r.stdout.starts_with("cloud-hypervisor v"), "{}", r.stdout);
+}
+
+/// Waits up to `limit` for `child` to exit.
+fn wait_for(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn sigterm_ends_a_running_guest_with_exit_0_after_the_final_barrier() {
+    if !Path::new("/dev/kvm").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no /dev/kvm under CI: this test must run"
+        );
+        println!("SKIPPED: no /dev/kvm");
+        return;
+    }
+    let f = Fixture::new();
+    let kernel = f.halting_kernel();
+    let img = f.pcow("a.pcow", 4 * MIB);
+    let mut child = Command::new(BIN)
+        .args([
+            "--kernel",
+            &kernel,
+            "--cpus",
+            "boot=2",
+            "--memory",
+            "size=64M",
+            "--pmem",
+            &format!("file={img}"),
+            "--serial",
+            "null",
+            "--console",
+            "off",
+            "-v",
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn cloud-hypervisor");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("guest started") {
+                let _ = tx.send(());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    let started = rx.recv_timeout(Duration::from_secs(30)).is_ok();
+    // Let the vCPUs enter KVM_RUN and halt.
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = wait_for(&mut child, Duration::from_secs(30));
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let log = reader.join().expect("stderr reader");
+    assert!(started, "the guest never started:\n{log}");
+    let status = status.unwrap_or_else(|| panic!("no exit within 30 s of SIGTERM:\n{log}"));
+    assert_eq!(status.code(), Some(0), "exit status:\n{log}");
+    assert!(log.contains("signal 15"), "{log}");
+    assert!(log.contains("final barrier"), "{log}");
+    let report = pcow::check::check(Path::new(&img), None, false).expect("check");
+    assert!(report.is_clean(), "image after SIGTERM: {report:?}");
+    let ro = Image::open(Path::new(&img), OpenOptions::read_only()).expect("reopen");
+    let mut buf = [0u8; 9];
+    ro.read_at(&mut buf, 4096).expect("read");
+    assert_eq!(&buf, b"pcow data");
+}
