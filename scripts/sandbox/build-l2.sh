@@ -20,6 +20,15 @@
 # `sh /guest.sh` (a copy of GUEST_SCRIPT), prints
 #   L2-RESULT rc=N
 # unmounts, syncs and powers off. Other markers: L2-BOOTED, L2-PMEM.
+#
+# With `root=DEV` on the kernel command line (e.g. `root=/dev/pmem0
+# rootflags=dax`; also `rootfstype=`, default ext4), the init does what a
+# distro initramfs does instead: loads the modules, waits for DEV, mounts it
+# on /newroot with the rootflags, moves /dev /proc /sys there and
+# `switch_root`s to its /sbin/init (`l2.init=PATH` for another one), printing
+#   L2-ROOT dev=DEV bytes=N mounted=yes|no flags=...
+# The kernel cannot mount such a root itself: nd_pmem/virtio_pmem are modules.
+# If the mount fails it prints L2-RESULT rc=98 and powers off.
 set -euo pipefail
 # shellcheck source=lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -70,6 +79,36 @@ done
 if grep -qx 0x001b /sys/bus/virtio/devices/*/device 2>/dev/null; then
     i=0
     while [ ! -b /dev/pmem0 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+fi
+root=; rootflags=; rootfstype=ext4; newinit=/sbin/init
+for w in $(cat /proc/cmdline); do
+    case $w in
+        root=*) root=${w#root=} ;;
+        rootflags=*) rootflags=${w#rootflags=} ;;
+        rootfstype=*) rootfstype=${w#rootfstype=} ;;
+        l2.init=*) newinit=${w#l2.init=} ;;
+    esac
+done
+if [ -n "$root" ]; then
+    # Root filesystem on a device, as a distro initramfs mounts it.
+    i=0
+    while [ ! -b "$root" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+    bdev=${root#/dev/}
+    size=$(cat /sys/block/$bdev/size 2>/dev/null || echo 0)
+    mkdir -p /newroot
+    if mount -t "$rootfstype" ${rootflags:+-o "$rootflags"} "$root" /newroot; then
+        echo "L2-ROOT dev=$root bytes=$((size * 512)) mounted=yes flags=$rootflags uptime=$(up)"
+        umount /tmp
+        for d in dev proc sys; do
+            if [ -d /newroot/$d ] && mount -o move /$d /newroot/$d; then :; else umount /$d 2>/dev/null; fi
+        done
+        exec switch_root /newroot "$newinit"
+        echo "L2: switch_root /newroot $newinit failed"
+    else
+        echo "L2-ROOT dev=$root bytes=$((size * 512)) mounted=no flags=$rootflags"
+    fi
+    echo "L2-RESULT rc=98 uptime=$(up)"
+    poweroff -f
 fi
 if [ -b /dev/pmem0 ]; then
     size=$(cat /sys/block/pmem0/size 2>/dev/null || echo 0)

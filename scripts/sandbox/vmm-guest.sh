@@ -1,0 +1,214 @@
+# L2 guest side of scripts/sandbox/vmm-scenarios.sh (busybox sh).
+#
+# build-l2.sh copies this file to /guest.sh in the initramfs; its init runs it
+# with /dev/pmem0 mounted on /mnt/pmem. vmm-scenarios.sh also copies it into
+# the root image of scenario 4, whose /sbin/init runs it after switch_root.
+# What to do comes from the kernel command line:
+#   l2.scenario=NAME   s1write s1read | s2v1 s2change s2verify |
+#                      s3ovl s3check (+ l2.tag=T) | s4root |
+#                      s5loop s5verify (+ l2.n=N) | s6raw s6discard
+# Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
+# SYNCED n (s5loop). Exit status 0 when the guest-side checks passed.
+# The file contents are generated (gen TEXT BYTES), so that L1 and the host
+# can regenerate them: keep gen in step with vmm-scenarios.sh.
+M=/mnt/pmem
+scenario=
+tag=
+n=0
+for w in $(cat /proc/cmdline); do
+    case $w in
+        l2.scenario=*) scenario=${w#*=} ;;
+        l2.tag=*) tag=${w#*=} ;;
+        l2.n=*) n=${w#*=} ;;
+    esac
+done
+
+fail() {
+    echo "GUEST-FAIL $scenario: $*"
+    exit 1
+}
+ok() { echo "GUEST-OK $scenario: $*"; }
+gen() { yes "$1" | head -c "$2"; }
+# same FILE TEXT BYTES: FILE holds exactly gen TEXT BYTES.
+same() { [ -f "$1" ] && gen "$2" "$3" | cmp -s - "$1"; }
+# Every entry under $M (lost+found and MANIFEST aside), sorted; files with
+# their sha256, symlinks with their target.
+listing() {
+    (cd $M && find . ! -name . | grep -v -e '^\./lost+found' -e '^\./MANIFEST$' | sort | while IFS= read -r p; do
+        if [ -L "$p" ]; then
+            echo "link $p $(readlink "$p")"
+        elif [ -d "$p" ]; then
+            echo "dir $p"
+        else
+            echo "file $p $(sha256sum <"$p" | cut -d' ' -f1)"
+        fi
+    done)
+}
+# Write the listing to MANIFEST, print its checksum.
+save_manifest() {
+    listing >$M/MANIFEST
+    echo "GUEST-MANIFEST $(sha256sum <$M/MANIFEST | cut -d' ' -f1) entries=$(wc -l <$M/MANIFEST)"
+}
+# Print the checksum of the current listing; fail unless it equals MANIFEST.
+check_manifest() {
+    [ -f $M/MANIFEST ] || fail "no MANIFEST"
+    listing >/tmp/listing
+    echo "GUEST-MANIFEST $(sha256sum </tmp/listing | cut -d' ' -f1) entries=$(wc -l </tmp/listing)"
+    if ! cmp -s /tmp/listing $M/MANIFEST; then
+        diff $M/MANIFEST /tmp/listing | head -n 20
+        return 1
+    fi
+}
+need_dax() {
+    grep -q " $M ext4 .*dax" /proc/mounts || fail "/dev/pmem0 not mounted ext4 -o dax: $(grep pmem /proc/mounts)"
+}
+s1size() { echo $(($1 * 5000 + 123)); }
+s5size() { echo $((4096 + ($1 * 7919) % 60000)); }
+
+case $scenario in
+    s1write)
+        need_dax
+        mkdir -p $M/d0 $M/d1 $M/d2 $M/d3
+        i=1
+        while [ $i -le 24 ]; do
+            gen "s1 file $i" "$(s1size $i)" >$M/d$((i % 4))/f$i
+            i=$((i + 1))
+        done
+        gen "s1 big" 3145728 >$M/big.bin
+        ln -s d1/f1 $M/link-to-f1
+        save_manifest
+        sync
+        ok "wrote 24 files + big.bin ($(du -sk $M | cut -f1) KiB used)"
+        ;;
+    s1read)
+        need_dax
+        check_manifest || fail "listing differs from MANIFEST"
+        i=1
+        while [ $i -le 24 ]; do
+            same $M/d$((i % 4))/f$i "s1 file $i" "$(s1size $i)" || fail "d$((i % 4))/f$i wrong"
+            i=$((i + 1))
+        done
+        same $M/big.bin "s1 big" 3145728 || fail "big.bin wrong"
+        ok "read back every file"
+        ;;
+    s2v1)
+        need_dax
+        gen "s2 a v1" 1000 >$M/a.txt
+        gen "s2 b v1" 70000 >$M/b.txt
+        mkdir -p $M/c
+        gen "s2 d v1" 200000 >$M/c/d.bin
+        save_manifest
+        sync
+        ok "v1 written"
+        ;;
+    s2change)
+        need_dax
+        check_manifest || fail "does not see v1 before changing it"
+        gen "s2 a v2" 1500 >$M/a.txt
+        rm $M/b.txt
+        gen "s2 d v2" 100000 >>$M/c/d.bin
+        gen "s2 e v2" 3000 >$M/e.txt
+        mkdir $M/f
+        sync
+        listing >/tmp/listing
+        echo "GUEST-MANIFEST $(sha256sum </tmp/listing | cut -d' ' -f1) entries=$(wc -l </tmp/listing)"
+        ok "changed a.txt c/d.bin, removed b.txt, added e.txt f/"
+        ;;
+    s2verify)
+        need_dax
+        check_manifest || fail "listing differs from the snapshot's MANIFEST"
+        same $M/a.txt "s2 a v1" 1000 || fail "a.txt is not v1"
+        same $M/b.txt "s2 b v1" 70000 || fail "b.txt is not v1"
+        same $M/c/d.bin "s2 d v1" 200000 || fail "c/d.bin is not v1"
+        [ ! -e $M/e.txt ] || fail "e.txt (written after the snapshot) exists"
+        ok "exactly the snapshot's content"
+        ;;
+    s3ovl | s3check)
+        need_dax
+        [ -n "$tag" ] || fail "no l2.tag"
+        same $M/base/base.txt "s3 base" 300000 || fail "base/base.txt is not the base's"
+        same $M/base/sub/x.txt "s3 x" 5000 || fail "base/sub/x.txt is not the base's"
+        for f in $M/only-*.txt; do
+            [ -e "$f" ] || continue
+            [ "$f" = "$M/only-$tag.txt" ] && [ "$scenario" = s3check ] && continue
+            fail "sees $f, another guest's change"
+        done
+        if [ "$scenario" = s3ovl ]; then
+            [ "$(cat $M/shared.txt)" = base ] || fail "shared.txt is '$(cat $M/shared.txt)', not the base's"
+            gen "s3 only $tag" 50000 >$M/only-$tag.txt
+            echo "$tag" >$M/shared.txt
+            sync
+            ok "saw the base only; wrote only-$tag.txt and shared.txt=$tag"
+        else
+            same $M/only-$tag.txt "s3 only $tag" 50000 || fail "only-$tag.txt (its own change) missing or wrong"
+            [ "$(cat $M/shared.txt)" = "$tag" ] || fail "shared.txt is '$(cat $M/shared.txt)', not $tag"
+            ok "sees the base plus its own changes only"
+        fi
+        ;;
+    s4root)
+        # Run by the root image's /sbin/init, after switch_root.
+        r=$(awk '$2 == "/" { print $1, $3, $4 }' /proc/mounts | tail -n1)
+        echo "GUEST-ROOT $r"
+        case $r in
+            "/dev/pmem0 ext4 "*dax*) ;;
+            *) fail "/ is not /dev/pmem0 ext4 with dax: $r" ;;
+        esac
+        [ ! -e /etc/l2-modules ] || fail "still in the initramfs"
+        [ "$(cat /etc/s4-id 2>/dev/null)" = s4-root-base ] || fail "/etc/s4-id missing or wrong"
+        mkdir -p /var
+        gen "s4 written on root" 20000 >/var/s4-written.txt
+        sync
+        same /var/s4-written.txt "s4 written on root" 20000 || fail "cannot read back /var/s4-written.txt"
+        ok "root on /dev/pmem0 (dax), wrote /var/s4-written.txt"
+        ;;
+    s5loop)
+        need_dax
+        i=1
+        while [ $i -le 400 ]; do
+            gen "s5 file $i" "$(s5size $i)" >$M/f$i
+            sync
+            echo "SYNCED $i"
+            i=$((i + 1))
+        done
+        fail "not killed after 400 synced files"
+        ;;
+    s5verify)
+        need_dax
+        [ "$n" -gt 0 ] || fail "l2.n missing"
+        bad=0
+        i=1
+        while [ $i -le "$n" ]; do
+            if ! same $M/f$i "s5 file $i" "$(s5size $i)"; then
+                echo "GUEST: f$i lost or wrong ($(ls -l $M/f$i 2>&1))"
+                bad=$((bad + 1))
+            fi
+            i=$((i + 1))
+        done
+        extra=$(ls $M | grep -c '^f')
+        [ $bad -eq 0 ] || fail "$bad of the $n synced files lost or wrong"
+        ok "all $n synced files intact ($extra f* files present)"
+        ;;
+    s6raw)
+        need_dax
+        echo "S6-RAW-MARKER-5b1d0c" >$M/raw-marker.txt
+        sync
+        ok "wrote raw-marker.txt"
+        ;;
+    s6discard)
+        need_dax
+        [ "$(cat $M/raw-marker.txt 2>/dev/null)" = S6-RAW-MARKER-5b1d0c ] || fail "raw-marker.txt (the file's content) not seen"
+        echo "S6-DISCARD-MARKER-9e2c47" >$M/discard.txt
+        gen "s6 discard" 500000 >$M/discard.bin
+        sync
+        echo 3 >/proc/sys/vm/drop_caches
+        umount $M || fail "umount"
+        mount -t ext4 -o dax /dev/pmem0 $M || fail "mount again"
+        [ "$(cat $M/discard.txt 2>/dev/null)" = S6-DISCARD-MARKER-9e2c47 ] || fail "discard.txt not read back after umount/mount"
+        same $M/discard.bin "s6 discard" 500000 || fail "discard.bin not read back after umount/mount"
+        ok "wrote, remounted, read back"
+        ;;
+    *)
+        fail "unknown l2.scenario '$scenario'"
+        ;;
+esac
+exit 0

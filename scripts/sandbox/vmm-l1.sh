@@ -1,0 +1,300 @@
+# shellcheck shell=sh disable=SC2086,SC2317
+# L1 side of scripts/sandbox/vmm-scenarios.sh: the payload's run.sh (busybox
+# sh, run by L1's init in /payload). Runs the six VMM scenarios one after the
+# other, each VMM run under `timeout -s KILL`, and leaves the images in /out
+# for the host-side checks.
+#
+# /payload holds: vmm.conf (VMM=ch|qemu, SIZE=bytes, BOOT_TIMEOUT=s),
+# cloud-hypervisor (VMM=ch) or qemu/ (VMM=qemu, the stand-in: raw images
+# only, see img_* below), pcow-img, l2/{vmlinuz,initramfs.cpio}, img/*.
+# Markers (parsed by vmm-scenarios.sh):
+#   VMMSC-BOOT NAME exit=N time=S [TIMEOUT]   one VMM run (L2 serial follows,
+#                                             prefixed "  L2[NAME]| ")
+#   VMMSC-INFO K key=value                    facts the host checks use
+#   VMMSC-RESULT K PASS|FAIL reason           scenario K's L1-side verdict
+cd /payload || exit 1
+. ./vmm.conf
+KCMD="console=ttyS0 panic=-1 quiet"
+L=/tmp/logs
+
+# ---- the VMM ------------------------------------------------------------------
+# vmm_exec PMEM_SPEC EXTRA_CMDLINE: exec the VMM (Cloud Hypervisor's options;
+# the QEMU stand-in translates them).
+vmm_exec() {
+    if [ "$VMM" = ch ]; then
+        exec ./cloud-hypervisor --kernel l2/vmlinuz --initramfs l2/initramfs.cpio \
+            --cmdline "$KCMD $2" --cpus boot=1 --memory size=256M \
+            --pmem "$1" --serial tty --console off
+    fi
+    file=
+    size=
+    share=on
+    IFS=,
+    for kv in $1; do
+        case $kv in
+            file=*) file=${kv#file=} ;;
+            size=*) size=${kv#size=} ;;
+            discard_writes=on) share=off ;;
+        esac
+    done
+    unset IFS
+    [ -n "$size" ] || size=$(stat -c %s "$file")
+    exec ./qemu/qemu-system-x86_64 -L ./qemu/share -accel kvm -cpu host \
+        -m 256M,slots=2,maxmem=1G -smp 1 -nographic -nodefaults -serial stdio -no-reboot \
+        -kernel l2/vmlinuz -initrd l2/initramfs.cpio -append "$KCMD $2" \
+        -object "memory-backend-file,id=pm0,share=$share,mem-path=$file,size=$size" \
+        -device virtio-pmem-pci,memdev=pm0,id=pmem0
+}
+if [ "${1:-}" = __vmm ]; then
+    shift
+    vmm_exec "$@"
+fi
+
+up() { cut -d' ' -f1 /proc/uptime; }
+since() { awk -v a="$1" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }'; }
+mkdir -p $L /out
+
+# boot NAME PMEM_SPEC EXTRA_CMDLINE: one VMM run, serial in $L/NAME.log;
+# sets vrc (the VMM's exit status; 137 after the timeout's SIGKILL).
+boot() {
+    t=$(up)
+    timeout -s KILL "$BOOT_TIMEOUT" sh "$0" __vmm "$2" "$3" </dev/null >$L/$1.log 2>&1
+    vrc=$?
+    s=$(since "$t")
+    to=
+    [ $vrc -eq 137 ] && awk -v s="$s" -v t="$BOOT_TIMEOUT" 'BEGIN { exit !(s >= t - 1) }' && to=" TIMEOUT"
+    echo "VMMSC-BOOT $1 exit=$vrc time=${s}s$to"
+    tr -d '\r' <$L/$1.log | sed "s/^/  L2[$1]| /"
+}
+# booted_ok NAME: the VMM exited 0 and the guest's checks passed (else sets why).
+booted_ok() {
+    if [ "$vrc" -ne 0 ]; then
+        why="$1: VMM exit $vrc$to$(guest_said "$1")"
+        return 1
+    fi
+    if ! grep -q 'L2-RESULT rc=0' $L/$1.log; then
+        why="$1: guest failed$(guest_said "$1")"
+        return 1
+    fi
+}
+# The guest's last word: its GUEST-FAIL line, else its last L2- marker.
+guest_said() {
+    g=$(grep -o 'GUEST-FAIL.*' $L/$1.log | head -n1)
+    [ -n "$g" ] || g=$(grep -o 'L2-[A-Z]*.*' $L/$1.log | tail -n1)
+    [ -n "$g" ] || g="no L2 marker (serial: $(grep -v '^ *$' $L/$1.log | tail -n1 | cut -c1-100))"
+    printf ' (%s)' "$g"
+}
+manifest_of() { sed -n 's/.*GUEST-MANIFEST \([0-9a-f]*\).*/\1/p' $L/$1.log | tail -n1; }
+pmem_line_ok() { # NAME BYTES
+    grep -q "L2-PMEM dev=/dev/pmem0 bytes=$2 mounted=ext4-dax" $L/$1.log && return 0
+    why="$1: expected 'L2-PMEM dev=/dev/pmem0 bytes=$2 mounted=ext4-dax', got '$(grep -o 'L2-PMEM.*' $L/$1.log)'"
+    return 1
+}
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+
+# ---- images -------------------------------------------------------------------
+# With our VMM the images are pcow and pcow-img does the offline work. The
+# QEMU stand-in cannot read pcow: it gets raw copies (pcow-img convert), and
+# snapshots/overlays are emulated with copies; the images go back to the host
+# as pcow either way.
+img_in() { # NAME -> prints the image's path in /tmp
+    if [ "$VMM" = ch ]; then
+        mv img/$1.pcow /tmp/$1.pcow && echo /tmp/$1.pcow
+    else
+        pcow-img convert -f pcow -O raw img/$1.pcow /tmp/$1.img && rm img/$1.pcow && echo /tmp/$1.img
+    fi
+}
+img_overlay() { # BASE_NAME OVERLAY_NAME -> prints the overlay's path
+    if [ "$VMM" = ch ]; then
+        (cd /tmp && pcow-img create -b "$1.pcow" -F pcow "$2.pcow" >/dev/null) && echo /tmp/$2.pcow
+    else
+        cp /tmp/$1.img /tmp/$2.img && echo /tmp/$2.img
+    fi
+}
+img_snapshot() { # -c|-a TAG IMAGE
+    if [ "$VMM" = ch ]; then
+        pcow-img snapshot "$1" "$2" "$3"
+    elif [ "$1" = -c ]; then
+        cp "$3" "$3.snap-$2"
+    else
+        cp "$3.snap-$2" "$3"
+    fi
+}
+# img_check IMAGE: sets crc to pcow-img check's status (0 under the stand-in).
+img_check() {
+    if [ "$VMM" = ch ]; then
+        pcow-img check "$1" >$L/check.txt 2>&1
+        crc=$?
+        echo "VMMSC-CHECK $(basename "$1") rc=$crc: $(tr '\n' ' ' <$L/check.txt | cut -c1-200)"
+    else
+        crc=0
+    fi
+}
+img_out() { # IMAGE...: to /out (as pcow)
+    for i in "$@"; do
+        case $i in
+            *.pcow) cp "$i" /out/ ;;
+            *.img) pcow-img convert -f raw -O pcow "$i" "/out/$(basename "$i" .img).pcow" ;;
+        esac
+    done
+}
+
+# ---- scenarios ----------------------------------------------------------------
+sc1() {
+    img=$(img_in s1) || { why="no image"; return 1; }
+    boot s1-write "file=$img" "l2.scenario=s1write"
+    img_out "$img"
+    booted_ok s1-write && pmem_line_ok s1-write "$SIZE" || return 1
+    m1=$(manifest_of s1-write)
+    img_check "$img"
+    [ $crc -eq 0 ] || { why="pcow-img check after the first boot: rc=$crc"; return 1; }
+    len=$(stat -c %s "$img")
+    echo "VMMSC-INFO 1 file_bytes=$len virtual_bytes=$SIZE"
+    note="image file $((len / 1024)) KiB for $((SIZE / 1048576)) MiB virtual"
+    if [ "$VMM" = ch ] && [ $((len * 4)) -ge "$SIZE" ]; then
+        why="image file is $len bytes, not far smaller than its virtual size $SIZE"
+        return 1
+    fi
+    boot s1-read "file=$img,size=$((SIZE / 1048576))M" "l2.scenario=s1read"
+    img_out "$img"
+    booted_ok s1-read && pmem_line_ok s1-read "$SIZE" || return 1
+    [ "$(manifest_of s1-read)" = "$m1" ] || { why="second boot sees listing $(manifest_of s1-read), first wrote $m1"; return 1; }
+    note="$note; 2nd boot read back every file"
+}
+
+sc2() {
+    img=$(img_in s2) || { why="no image"; return 1; }
+    boot s2-v1 "file=$img" "l2.scenario=s2v1"
+    booted_ok s2-v1 || { img_out "$img"; return 1; }
+    m1=$(manifest_of s2-v1)
+    img_snapshot -c v1 "$img" || { why="pcow-img snapshot -c v1 failed"; return 1; }
+    boot s2-change "file=$img" "l2.scenario=s2change"
+    booted_ok s2-change || { img_out "$img"; return 1; }
+    m2=$(manifest_of s2-change)
+    [ "$m2" != "$m1" ] || { why="the changes did not change the listing"; return 1; }
+    img_snapshot -a v1 "$img" || { why="pcow-img snapshot -a v1 failed"; return 1; }
+    img_check "$img"
+    [ $crc -eq 0 ] || { why="pcow-img check after the rollback: rc=$crc"; img_out "$img"; return 1; }
+    boot s2-verify "file=$img" "l2.scenario=s2verify"
+    img_out "$img"
+    booted_ok s2-verify || return 1
+    [ "$(manifest_of s2-verify)" = "$m1" ] || { why="after rollback the listing is $(manifest_of s2-verify), the snapshot's was $m1"; return 1; }
+    note="listing v1 $(echo "$m1" | cut -c1-12), changed $(echo "$m2" | cut -c1-12), after rollback = v1"
+}
+
+sc3() {
+    base=$(img_in s3base) || { why="no image"; return 1; }
+    h0=$(sha "$base")
+    ova=$(img_overlay s3base s3ov-a) && ovb=$(img_overlay s3base s3ov-b) || { why="cannot create the overlays"; return 1; }
+    boot s3-a "file=$ova" "l2.scenario=s3ovl l2.tag=a"
+    booted_ok s3-a || { img_out "$base" "$ova" "$ovb"; return 1; }
+    boot s3-b "file=$ovb" "l2.scenario=s3ovl l2.tag=b"
+    booted_ok s3-b || { img_out "$base" "$ova" "$ovb"; return 1; }
+    boot s3-a-again "file=$ova" "l2.scenario=s3check l2.tag=a"
+    img_out "$base" "$ova" "$ovb"
+    booted_ok s3-a-again || return 1
+    h1=$(sha "$base")
+    echo "VMMSC-INFO 3 base_sha_before=$h0 base_sha_after=$h1"
+    [ "$h0" = "$h1" ] || { why="the base changed: sha256 $h0 -> $h1"; return 1; }
+    for i in "$base" "$ova" "$ovb"; do
+        img_check "$i"
+        [ $crc -eq 0 ] || { why="pcow-img check $(basename "$i"): rc=$crc"; return 1; }
+    done
+    note="a and b each saw the base + own changes, base sha256 unchanged"
+}
+
+sc4() {
+    base=$(img_in s4root) || { why="no image"; return 1; }
+    h0=$(sha "$base")
+    ov=$(img_overlay s4root s4ov) || { why="cannot create the overlay"; return 1; }
+    boot s4-root "file=$ov" "root=/dev/pmem0 rootflags=dax l2.scenario=s4root"
+    img_out "$base" "$ov"
+    if ! grep -q 'L2-ROOT dev=/dev/pmem0 .*mounted=yes' $L/s4-root.log; then
+        why="initramfs did not mount /dev/pmem0 as root$(guest_said s4-root)"
+        return 1
+    fi
+    grep -q 'L2-ROOTFS-INIT' $L/s4-root.log || { why="the root image's /sbin/init did not start$(guest_said s4-root)"; return 1; }
+    booted_ok s4-root || return 1
+    h1=$(sha "$base")
+    [ "$h0" = "$h1" ] || { why="the base changed: sha256 $h0 -> $h1"; return 1; }
+    img_check "$ov"
+    [ $crc -eq 0 ] || { why="pcow-img check s4ov: rc=$crc"; return 1; }
+    note="switch_root to $(grep -o 'GUEST-ROOT.*' $L/s4-root.log | cut -d' ' -f2-), wrote /var/s4-written.txt, base unchanged"
+}
+
+sc5() {
+    img=$(img_in s5) || { why="no image"; return 1; }
+    want=${S5_KILL_AFTER:-12}
+    t=$(up)  # (boot's variable too)
+    sh "$0" __vmm "file=$img" "l2.scenario=s5loop" </dev/null >$L/s5-loop.log 2>&1 &
+    pid=$!
+    i=0
+    while [ $i -lt $((BOOT_TIMEOUT * 10)) ] && kill -0 $pid 2>/dev/null && ! grep -qE "^SYNCED $want(\$|[^0-9])" $L/s5-loop.log; do
+        sleep 0.1
+        i=$((i + 1))
+    done
+    alive=no
+    kill -0 $pid 2>/dev/null && alive=yes
+    kill -9 $pid 2>/dev/null
+    wait $pid
+    vrc=$?
+    echo "VMMSC-BOOT s5-loop exit=$vrc time=$(since "$t")s (SIGKILL when SYNCED $want appeared; alive=$alive)"
+    tr -d '\r' <$L/s5-loop.log | sed "s/^/  L2[s5-loop]| /"
+    nsync=$(sed -n 's/^SYNCED \([0-9]*\).*/\1/p' $L/s5-loop.log | tail -n1)
+    nsync=${nsync:-0}
+    echo "VMMSC-INFO 5 synced=$nsync"
+    if [ "$alive" = no ] || [ "$nsync" -lt "$want" ]; then
+        img_out "$img"
+        why="the guest never reported SYNCED $want (VMM exit $vrc$(guest_said s5-loop))"
+        return 1
+    fi
+    img_check "$img"
+    c1=$crc
+    if [ $c1 -ne 0 ] && [ $c1 -ne 3 ]; then
+        img_out "$img"
+        why="pcow-img check after SIGKILL: rc=$c1 (corrupt)"
+        return 1
+    fi
+    boot s5-verify "file=$img" "l2.scenario=s5verify l2.n=$nsync"
+    img_out "$img"
+    booted_ok s5-verify || return 1
+    img_check "$img"
+    note="killed after SYNCED $nsync, check rc=$c1 after the kill (rc=$crc after the next boot), all $nsync files intact"
+}
+
+sc6() {
+    raw=/tmp/s6.raw
+    gunzip -c img/s6.raw.gz >$raw && rm img/s6.raw.gz || { why="no image"; return 1; }
+    boot s6-raw "file=$raw" "l2.scenario=s6raw"
+    booted_ok s6-raw && pmem_line_ok s6-raw "$SIZE" || { cp $raw /out/; return 1; }
+    grep -q S6-RAW-MARKER-5b1d0c $raw || { why="the guest's write did not reach the raw file"; cp $raw /out/; return 1; }
+    h0=$(sha $raw)
+    boot s6-discard "file=$raw,discard_writes=on" "l2.scenario=s6discard"
+    cp $raw /out/
+    booted_ok s6-discard && pmem_line_ok s6-discard "$SIZE" || return 1
+    h1=$(sha $raw)
+    echo "VMMSC-INFO 6 sha_before_discard=$h0 sha_after_discard=$h1"
+    [ "$h0" = "$h1" ] || { why="discard_writes=on: the file changed (sha256 $h0 -> $h1)"; return 1; }
+    ! grep -q S6-DISCARD-MARKER-9e2c47 $raw || { why="discard_writes=on: the guest's write reached the file"; return 1; }
+    note="raw: write reached the file; discard_writes=on: read back in the guest, file byte-identical"
+}
+
+run() { # K FUNCTION
+    t_sc=$(up)
+    why=
+    note=
+    echo "VMMSC-START $1 uptime=$t_sc"
+    if $2; then
+        echo "VMMSC-RESULT $1 PASS $(since "$t_sc")s: $note"
+    else
+        echo "VMMSC-RESULT $1 FAIL $(since "$t_sc")s: $why"
+    fi
+}
+
+echo "VMMSC-L1 vmm=$VMM scenarios=$SCENARIOS"
+[ "$VMM" = ch ] && echo "VMMSC-L1 $(./cloud-hypervisor --version 2>&1 | head -n1)"
+for k in $SCENARIOS; do
+    run "$k" "sc$k"
+done
+echo "VMMSC-L1 done, /tmp: $(df -k /tmp | awk 'NR == 2 { print $3 }') KiB used, /out: $(du -sk /out | cut -f1) KiB"
+exit 0
