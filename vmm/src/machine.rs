@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
 use virtio_pmem_pcow::{FlushBackend, Monitor, PcowRegion, PmemDevice, RawRegion, RegionOptions};
@@ -489,7 +490,15 @@ impl Machine {
 
     /// Takes the vCPU threads that have ended, with their results.
     pub fn reap_vcpus(&mut self) -> Vec<vcpu::VcpuResult> {
-        let _ = self.vcpu_exit.read();
+        // The eventfd counts the threads that signalled; each signals just
+        // before it returns, so give those a moment to finish.
+        let signalled = self.vcpu_exit.read().unwrap_or(0) as usize;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while self.threads.iter().filter(|t| t.is_finished()).count() < signalled
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let (done, running): (Vec<_>, Vec<_>) =
             self.threads.drain(..).partition(|t| t.is_finished());
         self.threads = running;
