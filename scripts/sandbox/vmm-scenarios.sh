@@ -30,6 +30,9 @@
 #   VMMSC_VERBOSE=1  echo the whole serial output (default: markers only; the
 #                    full log is always kept, its path is printed)
 #   VMMSC_BOOT_TIMEOUT (s, per VMM run in L1, default 120)
+#   VMMSC_RECHECK=LOG  no build, no L1: only the host-side checks again, on the
+#                    images the last run brought back (.cache/sandbox/vmm-scenarios)
+#                    and that run's serial log
 #   SANDBOX_TIMEOUT (s, the whole L1 run, default 900), CARGO_TARGET_DIR
 # Prints each scenario's PASS/FAIL with a reason, then
 #   vmm scenarios: N passed, M failed
@@ -46,115 +49,130 @@ skip() {
 t_all=$(now)
 VMM=${VMMSC_VMM:-ch}
 SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6}
-SIZE=$((64 * 1048576))
+SIZE=$((64 * 1048576))  # the images' virtual size
+SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
 case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
 declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard)
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 
-# ---- can QEMU run here at all? -----------------------------------------------
-if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
-    if [ "$(id -u)" -ne 0 ] && ! sudo -n true 2>/dev/null; then
-        skip "qemu-system-x86_64 is not installed and this user cannot install it (no root, no sudo)"
-    fi
-fi
-say "== fetch (Debian packages, cached in $CACHE)"
-t=$(now)
-"$SANDBOX_SCRIPTS/fetch.sh" >/dev/null
-if ! printf 'quit\n' | timeout 60 qemu-system-x86_64 -accel tcg -machine none -nodefaults \
-    -display none -monitor stdio >/dev/null 2>&1; then
-    skip "qemu-system-x86_64 is installed but cannot start a TCG machine here"
-fi
-command -v mkfs.ext4 >/dev/null 2>&1 && command -v debugfs >/dev/null 2>&1 \
-    || as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq e2fsprogs >/dev/null
-t_fetch=$(elapsed "$t")
+# File contents, as vmm-guest.sh generates them (yes dies of SIGPIPE).
+gen() { { yes "$1" || true; } | head -c "$2"; }
 
-# ---- binaries ------------------------------------------------------------------
-say "== cargo build --release ($([ "$VMM" = ch ] && echo "cloud-hypervisor + ")pcow-img)"
-t=$(now)
-cd "$REPO_ROOT"
-tdir=${CARGO_TARGET_DIR:-target}
-case $tdir in /*) ;; *) tdir=$REPO_ROOT/$tdir ;; esac
-if [ "$VMM" = ch ]; then
-    cargo build --release -q -p vmm --bin cloud-hypervisor -p pcow --bin pcow-img \
-        || die "cargo build of cloud-hypervisor/pcow-img failed (VMMSC_VMM=qemu runs the harness with QEMU as a stand-in VMM)"
-    [ -x "$tdir/release/cloud-hypervisor" ] || die "$tdir/release/cloud-hypervisor missing after the build"
-else
-    cargo build --release -q -p pcow --bin pcow-img || die "cargo build of pcow-img failed"
-fi
-PCOW_IMG=$tdir/release/pcow-img
-[ -x "$PCOW_IMG" ] || die "$PCOW_IMG missing after the build"
-t_cargo=$(elapsed "$t")
-
-# ---- payload -------------------------------------------------------------------
-say "== build (L1, L2, images, payload)"
-t=$(now)
-"$SANDBOX_SCRIPTS/build-l1.sh" >/dev/null
 W=$CACHE/vmm-scenarios
 payload=$W/payload
 host=$W/host # images made here, kept for comparisons
 out=$W/out
-rm -rf "$payload" "$host" "$out"
-mkdir -p "$payload/img" "$host"
-"$SANDBOX_SCRIPTS/build-l2.sh" "$SANDBOX_SCRIPTS/vmm-guest.sh" "$payload/l2" >/dev/null
-cp "$SANDBOX_SCRIPTS/vmm-l1.sh" "$payload/run.sh"
-# Binaries without their debug info: a smaller initramfs to unpack under TCG.
-strip_copy() {
-    if command -v strip >/dev/null 2>&1; then
-        strip --strip-debug -o "$2" "$1"
-    else
-        cp "$1" "$2"
-    fi
-}
-strip_copy "$PCOW_IMG" "$payload/pcow-img"
-if [ "$VMM" = ch ]; then
-    strip_copy "$tdir/release/cloud-hypervisor" "$payload/cloud-hypervisor"
+cd "$REPO_ROOT"
+tdir=${CARGO_TARGET_DIR:-target}
+case $tdir in /*) ;; *) tdir=$REPO_ROOT/$tdir ;; esac
+PCOW_IMG=$tdir/release/pcow-img
+
+if [ -n "${VMMSC_RECHECK:-}" ]; then
+    # Host-side checks only, on the images of the last run ($out, $host).
+    log=$VMMSC_RECHECK
+    [ -f "$log" ] || die "VMMSC_RECHECK=$log: no such log"
+    VMM=$(sed -n 's/.*VMMSC-L1 vmm=\([a-z]*\).*/\1/p' "$log" | head -n1)
+    rc=$(sed -n 's/.*SANDBOX-RESULT rc=\([0-9]*\).*/\1/p' "$log" | tail -n1)
+    rc=${rc:-1}
+    [ -n "${VMMSC_SCENARIOS:-}" ] || SCENARIOS=$(sed -n 's/.*VMMSC-L1 vmm=[a-z]* scenarios=//p' "$log" | head -n1 | tr -d '\r')
+    t_fetch=- t_cargo=- t_build=- t_run=-
 else
-    mkdir -p "$payload/qemu/share"
-    cp -L "$(command -v qemu-system-x86_64)" "$payload/qemu/qemu-system-x86_64"
-    for fw in /usr/share/seabios/bios-256k.bin /usr/share/qemu/kvmvapic.bin \
-        /usr/share/qemu/linuxboot_dma.bin /usr/share/qemu/pvh.bin; do
-        if [ -f "$fw" ]; then cp -L "$fw" "$payload/qemu/share/"; fi
-    done
-    [ -f "$payload/qemu/share/bios-256k.bin" ] || die "/usr/share/seabios/bios-256k.bin missing (package seabios)"
-fi
-cat >"$payload/vmm.conf" <<EOF
+    # ---- can QEMU run here at all? -----------------------------------------------
+    if ! command -v qemu-system-x86_64 >/dev/null 2>&1; then
+        if [ "$(id -u)" -ne 0 ] && ! sudo -n true 2>/dev/null; then
+            skip "qemu-system-x86_64 is not installed and this user cannot install it (no root, no sudo)"
+        fi
+    fi
+    say "== fetch (Debian packages, cached in $CACHE)"
+    t=$(now)
+    "$SANDBOX_SCRIPTS/fetch.sh" >/dev/null
+    if ! printf 'quit\n' | timeout 60 qemu-system-x86_64 -accel tcg -machine none -nodefaults \
+        -display none -monitor stdio >/dev/null 2>&1; then
+        skip "qemu-system-x86_64 is installed but cannot start a TCG machine here"
+    fi
+    command -v mkfs.ext4 >/dev/null 2>&1 && command -v debugfs >/dev/null 2>&1 \
+        || as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq e2fsprogs >/dev/null
+    t_fetch=$(elapsed "$t")
+
+    # ---- binaries ------------------------------------------------------------------
+    say "== cargo build --release ($([ "$VMM" = ch ] && echo "cloud-hypervisor + ")pcow-img)"
+    t=$(now)
+    if [ "$VMM" = ch ]; then
+        cargo build --release -q -p vmm --bin cloud-hypervisor -p pcow --bin pcow-img \
+            || die "cargo build of cloud-hypervisor/pcow-img failed (VMMSC_VMM=qemu runs the harness with QEMU as a stand-in VMM)"
+        [ -x "$tdir/release/cloud-hypervisor" ] || die "$tdir/release/cloud-hypervisor missing after the build"
+    else
+        cargo build --release -q -p pcow --bin pcow-img || die "cargo build of pcow-img failed"
+    fi
+    [ -x "$PCOW_IMG" ] || die "$PCOW_IMG missing after the build"
+    t_cargo=$(elapsed "$t")
+
+    # ---- payload -------------------------------------------------------------------
+    say "== build (L1, L2, images, payload)"
+    t=$(now)
+    "$SANDBOX_SCRIPTS/build-l1.sh" >/dev/null
+    rm -rf "$payload" "$host" "$out"
+    mkdir -p "$payload/img" "$host"
+    "$SANDBOX_SCRIPTS/build-l2.sh" "$SANDBOX_SCRIPTS/vmm-guest.sh" "$payload/l2" >/dev/null
+    cp "$SANDBOX_SCRIPTS/vmm-l1.sh" "$payload/run.sh"
+    # Binaries without their debug info: a smaller initramfs to unpack under TCG.
+    strip_copy() {
+        if command -v strip >/dev/null 2>&1; then
+            strip --strip-debug -o "$2" "$1"
+        else
+            cp "$1" "$2"
+        fi
+    }
+    strip_copy "$PCOW_IMG" "$payload/pcow-img"
+    if [ "$VMM" = ch ]; then
+        strip_copy "$tdir/release/cloud-hypervisor" "$payload/cloud-hypervisor"
+    else
+        mkdir -p "$payload/qemu/share"
+        cp -L "$(command -v qemu-system-x86_64)" "$payload/qemu/qemu-system-x86_64"
+        for fw in /usr/share/seabios/bios-256k.bin /usr/share/qemu/kvmvapic.bin \
+            /usr/share/qemu/linuxboot_dma.bin /usr/share/qemu/pvh.bin; do
+            if [ -f "$fw" ]; then cp -L "$fw" "$payload/qemu/share/"; fi
+        done
+        [ -f "$payload/qemu/share/bios-256k.bin" ] || die "/usr/share/seabios/bios-256k.bin missing (package seabios)"
+    fi
+    cat >"$payload/vmm.conf" <<EOF
 VMM=$VMM
 SIZE=$SIZE
+SIZE6=$SIZE6
 BOOT_TIMEOUT=${VMMSC_BOOT_TIMEOUT:-120}
 SCENARIOS="$SCENARIOS"
 EOF
 
-gen() { { yes "$1" || true; } | head -c "$2"; } # as in vmm-guest.sh (yes dies of SIGPIPE)
-# ext4 image NAME (64 MiB, 4 KiB blocks, populated from DIR if given) in
-# $host/NAME.raw, converted to pcow in the payload.
-mkimg() {
-    local name=$1 dir=${2:-}
-    truncate -s "$SIZE" "$host/$name.raw"
-    mkfs.ext4 -q -b 4096 -F ${dir:+-d "$dir"} "$host/$name.raw"
-    "$PCOW_IMG" convert -f raw -O pcow "$host/$name.raw" "$payload/img/$name.pcow"
-    cp "$payload/img/$name.pcow" "$host/$name.pcow"
-}
-for k in $SCENARIOS; do
-    case $k in
-        1) mkimg s1 ;;
-        2) mkimg s2 ;;
-        3)
-            d=$host/s3dir
-            mkdir -p "$d/base/sub"
-            gen "s3 base" 300000 >"$d/base/base.txt"
-            gen "s3 x" 5000 >"$d/base/sub/x.txt"
-            echo base >"$d/shared.txt"
-            mkimg s3base "$d"
-            ;;
-        4)
-            # A root filesystem: busybox, /sbin/init that runs vmm-guest.sh.
-            d=$host/s4dir
-            install_busybox "$d"
-            mkdir -p "$d/var" "$d/newroot"
-            cp "$SANDBOX_SCRIPTS/vmm-guest.sh" "$d/guest.sh"
-            echo s4-root-base >"$d/etc/s4-id"
-            printf 'root:x:0:0:root:/root:/bin/sh\n' >"$d/etc/passwd"
-            cat >"$d/sbin/init" <<'EOF'
+    # ext4 image NAME (64 MiB, 4 KiB blocks, populated from DIR if given) in
+    # $host/NAME.raw, converted to pcow in the payload.
+    mkimg() {
+        local name=$1 dir=${2:-}
+        truncate -s "$SIZE" "$host/$name.raw"
+        mkfs.ext4 -q -b 4096 -F ${dir:+-d "$dir"} "$host/$name.raw"
+        "$PCOW_IMG" convert -f raw -O pcow "$host/$name.raw" "$payload/img/$name.pcow"
+        cp "$payload/img/$name.pcow" "$host/$name.pcow"
+    }
+    for k in $SCENARIOS; do
+        case $k in
+            1) mkimg s1 ;;
+            2) mkimg s2 ;;
+            3)
+                d=$host/s3dir
+                mkdir -p "$d/base/sub"
+                gen "s3 base" 300000 >"$d/base/base.txt"
+                gen "s3 x" 5000 >"$d/base/sub/x.txt"
+                echo base >"$d/shared.txt"
+                mkimg s3base "$d"
+                ;;
+            4)
+                # A root filesystem: busybox, /sbin/init that runs vmm-guest.sh.
+                d=$host/s4dir
+                install_busybox "$d"
+                mkdir -p "$d/var" "$d/newroot"
+                cp "$SANDBOX_SCRIPTS/vmm-guest.sh" "$d/guest.sh"
+                echo s4-root-base >"$d/etc/s4-id"
+                printf 'root:x:0:0:root:/root:/bin/sh\n' >"$d/etc/passwd"
+                cat >"$d/sbin/init" <<'EOF'
 #!/bin/sh
 # Root image init (scripts/sandbox/vmm-scenarios.sh, scenario 4)
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin HOME=/root
@@ -171,41 +189,43 @@ mount -o remount,ro /
 echo "L2-RESULT rc=$rc"
 poweroff -f
 EOF
-            chmod 755 "$d/sbin/init"
-            mkimg s4root "$d"
-            ;;
-        5) mkimg s5 ;;
-        6)
-            truncate -s "$SIZE" "$host/s6.raw"
-            mkfs.ext4 -q -b 4096 -F "$host/s6.raw"
-            gzip -1 -c "$host/s6.raw" >"$payload/img/s6.raw.gz"
-            ;;
-    esac
-done
-t_build=$(elapsed "$t")
+                chmod 755 "$d/sbin/init"
+                mkimg s4root "$d"
+                ;;
+            5) mkimg s5 ;;
+            6)
+                truncate -s "$SIZE6" "$host/s6.raw"
+                mkfs.ext4 -q -b 4096 -F "$host/s6.raw"
+                gzip -1 -c "$host/s6.raw" >"$payload/img/s6.raw.gz"
+                ;;
+        esac
+    done
+    t_build=$(elapsed "$t")
 
-# ---- run L1 ----------------------------------------------------------------------
-# One L1 vCPU by default: with two (multi-threaded TCG) the L1 kernel sometimes
-# dies of "Oops: int3" in kvm code (apic_has_pending_timer) after a few VM
-# creations, when kvm's static keys are patched while the other vCPU runs that
-# code. One vCPU measured no slower for these runs.
-export SANDBOX_SMP=${SANDBOX_SMP:-1}
-say "== run L1 ($VMM, scenarios $SCENARIOS, L1 vCPUs $SANDBOX_SMP)"
-mkdir -p "$CACHE/logs"
-log=$CACHE/logs/vmm-scenarios-$(date +%Y%m%d-%H%M%S).log
-t=$(now)
-set +e
-if [ "${VMMSC_VERBOSE:-0}" = 1 ]; then
-    SANDBOX_OUT=$out SANDBOX_LOG=$log SANDBOX_TIMEOUT=${SANDBOX_TIMEOUT:-900} "$SANDBOX_SCRIPTS/run-l1.sh" "$payload"
-    rc=$?
-else
-    SANDBOX_OUT=$out SANDBOX_LOG=$log SANDBOX_TIMEOUT=${SANDBOX_TIMEOUT:-900} "$SANDBOX_SCRIPTS/run-l1.sh" "$payload" \
-        | grep --line-buffered -E '^\[run-l1|VMMSC-(L1|BOOT|RESULT|CHECK)|SANDBOX-(L1-BOOTED|KVM-READY|NO-KVM|RESULT)'
-    rc=${PIPESTATUS[0]}
+    # ---- run L1 ----------------------------------------------------------------------
+    # One L1 vCPU by default: with two (multi-threaded TCG) the L1 kernel sometimes
+    # dies of "Oops: int3" in kvm code (apic_has_pending_timer) after a few VM
+    # creations, when kvm's static keys are patched while the other vCPU runs that
+    # code. One vCPU measured no slower for these runs.
+    export SANDBOX_SMP=${SANDBOX_SMP:-1}
+    say "== run L1 ($VMM, scenarios $SCENARIOS, L1 vCPUs $SANDBOX_SMP)"
+    mkdir -p "$CACHE/logs"
+    log=$CACHE/logs/vmm-scenarios-$(date +%Y%m%d-%H%M%S).log
+    t=$(now)
+    set +e
+    if [ "${VMMSC_VERBOSE:-0}" = 1 ]; then
+        SANDBOX_OUT=$out SANDBOX_LOG=$log SANDBOX_TIMEOUT=${SANDBOX_TIMEOUT:-900} "$SANDBOX_SCRIPTS/run-l1.sh" "$payload"
+        rc=$?
+    else
+        SANDBOX_OUT=$out SANDBOX_LOG=$log SANDBOX_TIMEOUT=${SANDBOX_TIMEOUT:-900} "$SANDBOX_SCRIPTS/run-l1.sh" "$payload" \
+            | grep --line-buffered -E '^\[run-l1|VMMSC-(L1|BOOT|RESULT|CHECK)|SANDBOX-(L1-BOOTED|KVM-READY|NO-KVM|RESULT)'
+        rc=${PIPESTATUS[0]}
+    fi
+    set -e
+    t_run=$(elapsed "$t")
+    say "L1 run: exit $rc, ${t_run}s, serial log: $log"
+
 fi
-set -e
-t_run=$(elapsed "$t")
-say "L1 run: exit $rc, ${t_run}s, serial log: $log"
 
 # ---- host-side checks -------------------------------------------------------------
 t=$(now)
