@@ -19,6 +19,11 @@ set -euo pipefail
 
 skip() {
     printf '\nsandbox selftest: SKIPPED: %s\n' "$*"
+    # CI on the project's machines must run the sandbox: a skip there fails.
+    if [ -n "${CI:-}" ]; then
+        printf 'sandbox selftest: CI is set, so a skip is a failure\n'
+        exit 1
+    fi
     exit 0
 }
 t_all=$(now)
