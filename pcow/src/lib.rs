@@ -26,6 +26,7 @@
 mod barrier;
 mod chain;
 pub mod check;
+pub mod civil;
 mod error;
 pub mod format;
 mod image;

@@ -9,6 +9,7 @@
 //! | the vCPU exit eventfd | a vCPU ended: triple fault (reset) or error |
 //! | the signalfd (SIGTERM, SIGINT) | clean exit |
 //! | standard input (`--serial tty`) | bytes for the serial port |
+//! | the API eventfd | return: the VMM serves the requests, then runs the loop again |
 //!
 //! [`run`] returns why the machine should end; [`stop`] then stops the
 //! vCPUs (still serving the monitors, so that a vCPU blocked in a fault
@@ -35,6 +36,8 @@ pub enum Outcome {
     Signal(i32),
     /// Something failed (a vCPU, the monitor): the message says what.
     Failed(String),
+    /// The API has requests queued (the machine keeps running).
+    Api,
 }
 
 /// Errors of the loop's own machinery.
@@ -55,6 +58,7 @@ enum Token {
     VcpuExit,
     Signal,
     Stdin,
+    Api,
     Notify { dev: usize, queue: u16 },
     Monitor { dev: usize, fd: RawFd },
 }
@@ -137,7 +141,7 @@ fn read_fd(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
 }
 
 /// The signal number a signalfd read returns, if one was pending.
-fn read_signal(fd: RawFd) -> Option<i32> {
+pub fn read_signal(fd: RawFd) -> Option<i32> {
     // SAFETY: signalfd_siginfo is plain data; all-zero is a valid value.
     let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
     let size = std::mem::size_of::<libc::signalfd_siginfo>();
@@ -146,7 +150,7 @@ fn read_signal(fd: RawFd) -> Option<i32> {
     (n as usize == size).then_some(info.ssi_signo as i32)
 }
 
-fn registry(m: &Machine, inputs: &Inputs) -> Result<Registry, ControlError> {
+fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Registry, ControlError> {
     let epoll = Epoll::new().map_err(|source| ControlError::Epoll {
         what: "epoll_create",
         source,
@@ -159,6 +163,9 @@ fn registry(m: &Machine, inputs: &Inputs) -> Result<Registry, ControlError> {
     r.add(m.power.as_raw_fd(), Token::Power)?;
     r.add(m.vcpu_exit_fd(), Token::VcpuExit)?;
     r.add(inputs.signal_fd, Token::Signal)?;
+    if let Some(fd) = api_fd {
+        r.add(fd, Token::Api)?;
+    }
     if let (Some(fd), Some(_)) = (inputs.stdin, &m.serial) {
         // A regular file or /dev/null cannot be polled (EPERM): the guest
         // then runs without input, as with a closed input.
@@ -200,9 +207,14 @@ fn serve_monitor(m: &Machine, dev: usize, fd: RawFd) -> Result<(), String> {
     })
 }
 
-/// Runs the machine until it should end.
-pub fn run(m: &mut Machine, inputs: &Inputs) -> Result<Outcome, ControlError> {
-    let reg = registry(m, inputs)?;
+/// Runs the machine until it should end, or until the API (its eventfd
+/// `api_fd`) has requests.
+pub fn run(
+    m: &mut Machine,
+    inputs: &Inputs,
+    api_fd: Option<RawFd>,
+) -> Result<Outcome, ControlError> {
+    let reg = registry(m, inputs, api_fd)?;
     let mut events = vec![EpollEvent::default(); 32];
     let mut pending = PendingInput::default();
     let mut stdin_open = true;
@@ -274,6 +286,7 @@ pub fn run(m: &mut Machine, inputs: &Inputs) -> Result<Outcome, ControlError> {
                         return Ok(Outcome::Failed("every vCPU has ended".into()));
                     }
                 }
+                Token::Api => return Ok(Outcome::Api),
                 Token::Signal => {
                     if let Some(sig) = read_signal(inputs.signal_fd) {
                         log::info!("signal {sig}: stopping the VM");

@@ -38,6 +38,7 @@
 #![warn(missing_docs)]
 
 pub mod acpi;
+pub mod api;
 pub mod boot;
 pub mod config;
 pub mod control;
@@ -49,6 +50,7 @@ pub mod pci;
 pub mod testguest;
 pub mod vcpu;
 pub mod vm;
+pub mod vmm;
 mod x86;
 
 pub use vcpu::{MmioBus, PortIo, Vcpu, VcpuControl, VcpuError, VcpuStats, VcpuStop, VcpuThread};

@@ -14,11 +14,15 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
-use virtio_pmem_pcow::{FlushBackend, Monitor, PcowRegion, PmemDevice, RawRegion, RegionOptions};
+use virtio_pmem_pcow::{
+    BarrierError, BarrierStats, FlushBackend, Monitor, PcowRegion, PmemDevice, RawRegion,
+    RegionOptions,
+};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::acpi::{self, AcpiConfig};
@@ -100,21 +104,32 @@ pub enum MachineError {
 /// machine, which runs the final barrier and reports status.
 #[derive(Clone)]
 pub enum PmemBackend {
-    /// A pcow chain.
-    Pcow(Arc<PcowRegion>),
+    /// A pcow chain, and the count of barriers run on it.
+    Pcow(Arc<PcowRegion>, Arc<AtomicU64>),
     /// A raw file (upstream behaviour).
     Raw(Arc<RawRegion>),
 }
 
+impl PmemBackend {
+    /// Runs a barrier (raw: fsync), counting it.
+    fn barrier(&self) -> Result<Option<BarrierStats>, Box<dyn std::error::Error + Send + Sync>> {
+        match self {
+            PmemBackend::Pcow(r, n) => {
+                let s = r.barrier()?;
+                n.fetch_add(1, Ordering::Relaxed);
+                Ok(Some(s))
+            }
+            PmemBackend::Raw(r) => {
+                r.sync()?;
+                Ok(None)
+            }
+        }
+    }
+}
+
 impl FlushBackend for PmemBackend {
     fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        match self {
-            PmemBackend::Pcow(r) => {
-                r.barrier()?;
-            }
-            PmemBackend::Raw(r) => r.sync()?,
-        }
-        Ok(())
+        self.barrier().map(|_| ())
     }
 }
 
@@ -138,6 +153,8 @@ pub struct Pmem {
     /// Queue notification eventfds (one per queue), as the control loop
     /// polls them.
     pub notify: Vec<EventFd>,
+    /// The PCI address, `0000:00:DD.F`.
+    pub bdf: String,
 }
 
 impl Pmem {
@@ -149,6 +166,33 @@ impl Pmem {
     /// Size of the region.
     pub fn size(&self) -> u64 {
         self.slot.len()
+    }
+
+    /// The pcow region (`None` for a raw file).
+    pub fn pcow(&self) -> Option<&PcowRegion> {
+        match &self.backend {
+            PmemBackend::Pcow(r, _) => Some(r),
+            PmemBackend::Raw(_) => None,
+        }
+    }
+
+    /// Barriers run so far (FLUSH requests, the API's, the final one).
+    pub fn barriers(&self) -> u64 {
+        match &self.backend {
+            PmemBackend::Pcow(_, n) => n.load(Ordering::Relaxed),
+            PmemBackend::Raw(_) => 0,
+        }
+    }
+
+    /// A host-initiated barrier on a pcow device (an API flush); `None`
+    /// for a raw file.
+    pub fn barrier(&self) -> Option<Result<BarrierStats, BarrierError>> {
+        match &self.backend {
+            PmemBackend::Pcow(r, n) => Some(r.barrier().inspect(|_| {
+                n.fetch_add(1, Ordering::Relaxed);
+            })),
+            PmemBackend::Raw(_) => None,
+        }
     }
 }
 
@@ -301,7 +345,7 @@ impl Machine {
                         )?;
                     let (host, len) = (region.host_addr(), region.len());
                     (
-                        PmemBackend::Pcow(Arc::new(region)),
+                        PmemBackend::Pcow(Arc::new(region), Arc::new(AtomicU64::new(0))),
                         Some(Arc::new(monitor)),
                         host,
                         len,
@@ -386,6 +430,7 @@ impl Machine {
                 monitor,
                 backend,
                 notify: loop_fds,
+                bdf: addr.to_string(),
             });
         }
         // Nothing decodes yet (memory space is off until the guest's
@@ -520,18 +565,13 @@ impl Machine {
     pub fn final_barriers(&self) -> usize {
         let mut failed = 0;
         for p in &self.pmem {
-            let r = match &p.backend {
-                PmemBackend::Pcow(r) => r
-                    .barrier()
-                    .map(|s| {
-                        log::info!("pmem {}: final barrier: {s:?}", p.id);
-                    })
-                    .map_err(|e| e.to_string()),
-                PmemBackend::Raw(r) => r.sync().map_err(|e| e.to_string()),
-            };
-            if let Err(e) = r {
-                log::error!("pmem {}: final barrier failed: {e}", p.id);
-                failed += 1;
+            match p.backend.barrier() {
+                Ok(Some(s)) => log::info!("pmem {}: final barrier: {s:?}", p.id),
+                Ok(None) => log::info!("pmem {}: final fsync", p.id),
+                Err(e) => {
+                    log::error!("pmem {}: final barrier failed: {e}", p.id);
+                    failed += 1;
+                }
             }
         }
         failed

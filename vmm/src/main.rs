@@ -12,10 +12,13 @@ use std::os::fd::AsRawFd;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
-use vmm::config::cli::{self, Action, CommandLine};
+use std::time::Duration;
+
+use vmm::api::{self, http::HttpServer};
+use vmm::config::cli::{self, Action, ApiSocket, CommandLine};
 use vmm::config::ConsoleOutputMode;
-use vmm::control::{self, Inputs, Outcome};
-use vmm::machine::Machine;
+use vmm::control::Inputs;
+use vmm::vmm::{Vmm, VmmExit};
 use vmm_sys_util::terminal::Terminal;
 
 /// Blocks SIGTERM and SIGINT in this thread (and so in every thread
@@ -94,22 +97,31 @@ fn run() -> Result<()> {
         .filter_level(cli::log_level(cl.verbosity))
         .format_timestamp_millis()
         .init();
-    if cl.api_socket.is_some() {
-        bail!("--api-socket: the HTTP API is not implemented in this build yet");
+    if cl.vm.is_none() && cl.api_socket.is_none() {
+        bail!("nothing to run: give --kernel, or --api-socket to create a VM through the API");
     }
-    let Some(mut config) = cl.vm else {
-        bail!("nothing to run: give --kernel (the HTTP API that could create a VM later is not implemented yet)");
+    // Check the whole config before anything else happens: a bad value is
+    // one error line and no guest starts.
+    let config = match cl.vm {
+        Some(mut c) => {
+            c.validate()?;
+            Some(c)
+        }
+        None => None,
     };
-    let pmem = config.validate()?;
-    if config.console.mode != ConsoleOutputMode::Off {
-        log::info!(
-            "--console {:?}: there is no virtio-console device; use --serial",
-            config.console.mode
-        );
-    }
 
     let signals = signal_fd()?;
-    let tty = config.serial.mode == ConsoleOutputMode::Tty;
+    let tty = config
+        .as_ref()
+        .is_some_and(|c| c.serial.mode == ConsoleOutputMode::Tty);
+    if let Some(c) = &config {
+        if c.console.mode != ConsoleOutputMode::Off {
+            log::info!(
+                "--console {:?}: there is no virtio-console device; use --serial",
+                c.console.mode
+            );
+        }
+    }
     let stdin_fd = std::io::stdin().as_raw_fd();
     if tty {
         // Non-blocking, so that a read never stalls the control loop.
@@ -121,38 +133,43 @@ fn run() -> Result<()> {
             }
         }
     }
-    let _raw = RawTerminal::new(tty);
     let inputs = Inputs {
         signal_fd: signals.as_raw_fd(),
         stdin: tty.then_some(stdin_fd),
     };
 
-    let mut boots = 0u64;
-    loop {
-        boots += 1;
-        let mut machine = Machine::build(&config, &pmem).context("building the VM")?;
-        machine.start().context("starting the vCPUs")?;
-        log::info!("guest started (boot {boots})");
-        let outcome = control::run(&mut machine, &inputs).context("control loop")?;
-        let stopped = control::stop(&mut machine);
-        drop(machine);
-        let failed = stopped.map_err(anyhow::Error::msg)?;
-        if failed > 0 {
-            bail!("{failed} pmem device(s) failed their final barrier");
+    let (server, receiver) = match &cl.api_socket {
+        Some(ApiSocket::Path(path)) => {
+            let (tx, rx) = api::channel().context("API channel")?;
+            (Some(HttpServer::start(path, tx)?), Some(rx))
         }
-        match outcome {
-            Outcome::PowerOff => {
-                log::info!("guest powered off");
-                return Ok(());
-            }
-            Outcome::Signal(sig) => {
-                log::info!("stopped by signal {sig}");
-                return Ok(());
-            }
-            Outcome::Reset => log::info!("guest reset: booting again"),
-            Outcome::Failed(msg) => bail!("{msg}"),
+        Some(ApiSocket::Fd(fd)) => {
+            bail!("--api-socket fd={fd}: an inherited socket is not supported yet, use path=")
         }
+        None => (None, None),
+    };
+    let mut vmm = Vmm::new(inputs, receiver);
+    let _raw = RawTerminal::new(tty);
+    if let Some(c) = config {
+        vmm.create(c).map_err(api_error)?;
+        vmm.boot().map_err(api_error)?;
     }
+    let exit = vmm.run();
+    if let Some(s) = &server {
+        // Let the answer to a vmm.shutdown reach its client.
+        s.drain(Duration::from_secs(2));
+    }
+    match exit {
+        VmmExit::Done(why) => {
+            log::info!("{why}");
+            Ok(())
+        }
+        VmmExit::Failed(msg) => bail!("{msg}"),
+    }
+}
+
+fn api_error(e: vmm::api::ApiError) -> anyhow::Error {
+    anyhow::Error::msg(e.chain.join(": "))
 }
 
 fn main() -> ExitCode {

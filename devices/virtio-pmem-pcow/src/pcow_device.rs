@@ -485,6 +485,24 @@ impl PcowRegion {
         Ok(info)
     }
 
+    /// Deletes snapshot `snap` (a tag or an id) of the running device. Only
+    /// the snapshot record goes: its data stays where the guest's view (or
+    /// another snapshot) still uses it, so no mapping changes. A barrier
+    /// runs first, so the deletion commits only durable data.
+    pub fn snapshot_delete(&self, snap: &str) -> Result<SnapshotInfo, BarrierError> {
+        let (info, _) = with_hold(&*self.quiesce, || {
+            let mut g = self.lock()?;
+            let dev = &mut *g;
+            dev.attached()?;
+            dev.pool.apply(&mut dev.region.image);
+            dev.region.barrier_held()?;
+            let info = dev.region.image.snapshot_delete(snap)?;
+            dev.pool.request(&dev.region.image);
+            Ok(info)
+        })?;
+        Ok(info)
+    }
+
     /// Rollback replaces what the guest sees: refused while the device runs.
     pub fn snapshot_apply(&self, _tag: &str) -> Result<SnapshotInfo, BarrierError> {
         Err(BarrierError::LiveRollback)

@@ -65,25 +65,10 @@ pub fn date(sec: u64) -> String {
     )
 }
 
-/// UTC date from seconds since the epoch (Howard Hinnant's civil_from_days).
+/// UTC date from seconds since the epoch.
 fn civil_utc(sec: u64) -> String {
-    let days = (sec / 86400) as i64;
-    let rem = sec % 86400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    let (y, m, d, hh, mm, ss) = pcow::civil::utc(sec);
+    format!("{y:04}-{m:02}-{d:02} {hh:02}:{mm:02}:{ss:02}")
 }
 
 /// `%#-16x` as C prints it: `0` for zero, `0x...` otherwise, padded to 16.

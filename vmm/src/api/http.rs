@@ -1,0 +1,358 @@
+//! The HTTP/1.1 server on the API's Unix socket: an accept thread and one
+//! thread per connection (at most [`MAX_CONNECTIONS`]), requests parsed with
+//! `httparse`, answered in order on the connection (keep-alive).
+//!
+//! The socket is created mode 0600. A lock file next to it (`PATH.lock`,
+//! `flock`ed for the server's life) stops a second VMM from taking the
+//! socket; a socket file left by a VMM that died is replaced.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::routes::route;
+use super::{ApiError, ApiResult, ApiSender};
+
+/// Largest request body accepted (413 beyond).
+pub const MAX_BODY: usize = 4 << 20;
+/// Largest request head (request line and headers).
+pub const MAX_HEAD: usize = 16 << 10;
+/// Concurrent connections served; more are answered 503 and closed.
+pub const MAX_CONNECTIONS: usize = 64;
+/// A client that sends nothing for this long is disconnected.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A client that reads nothing for this long is disconnected.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+const MAX_HEADERS: usize = 64;
+
+/// Errors of setting up the server.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    #[error("API socket lock {}", path.display())]
+    LockFile {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("API socket {}: another VMM serves it (its lock {} is held)", socket.display(), lock.display())]
+    InUse { socket: PathBuf, lock: PathBuf },
+    #[error("API socket {}: the path exists and is not a socket", .0.display())]
+    NotASocket(PathBuf),
+    #[error("API socket {}", path.display())]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("starting the API thread")]
+    Thread(#[source] io::Error),
+}
+
+/// The running server. Dropping it removes the socket file (the accept
+/// thread ends with the process).
+pub struct HttpServer {
+    path: PathBuf,
+    _lock: File,
+    in_flight: Arc<AtomicUsize>,
+    _accept: JoinHandle<()>,
+}
+
+impl HttpServer {
+    /// Creates the socket at `path` and serves it, sending requests
+    /// through `api`.
+    pub fn start(path: &Path, api: ApiSender) -> Result<HttpServer, HttpError> {
+        let mut lock_path = path.as_os_str().to_owned();
+        lock_path.push(".lock");
+        let lock_path = PathBuf::from(lock_path);
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&lock_path)
+            .map_err(|source| HttpError::LockFile {
+                path: lock_path.clone(),
+                source,
+            })?;
+        if lock.try_lock().is_err() {
+            return Err(HttpError::InUse {
+                socket: path.to_owned(),
+                lock: lock_path,
+            });
+        }
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_socket() => {
+                // Ours to replace: we hold the lock, so its server is gone.
+                log::info!("replacing the stale API socket {}", path.display());
+                std::fs::remove_file(path).map_err(|source| HttpError::Bind {
+                    path: path.to_owned(),
+                    source,
+                })?;
+            }
+            Ok(_) => return Err(HttpError::NotASocket(path.to_owned())),
+            Err(_) => {}
+        }
+        let bind_err = |source| HttpError::Bind {
+            path: path.to_owned(),
+            source,
+        };
+        let listener = UnixListener::bind(path).map_err(bind_err)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let inf = in_flight.clone();
+        let accept = std::thread::Builder::new()
+            .name("http-api".into())
+            .spawn(move || accept_loop(listener, api, inf))
+            .map_err(HttpError::Thread)?;
+        log::info!("API socket {}", path.display());
+        Ok(HttpServer {
+            path: path.to_owned(),
+            _lock: lock,
+            in_flight,
+            _accept: accept,
+        })
+    }
+
+    /// Waits up to `limit` for the answers already produced to be written
+    /// (before the process exits on `vmm.shutdown`).
+    pub fn drain(&self, limit: Duration) {
+        let t0 = Instant::now();
+        while self.in_flight.load(Ordering::Acquire) > 0 && t0.elapsed() < limit {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn accept_loop(listener: UnixListener, api: ApiSender, in_flight: Arc<AtomicUsize>) {
+    let active = Arc::new(AtomicUsize::new(0));
+    for stream in listener.incoming() {
+        let mut stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("API: accept: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+            let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+            let _ = write_response(
+                &mut stream,
+                &Err(ApiError::new(503, "too many API connections")),
+                true,
+            );
+            continue;
+        }
+        active.fetch_add(1, Ordering::AcqRel);
+        let (api, act, inf) = (api.clone(), active.clone(), in_flight.clone());
+        let spawned = std::thread::Builder::new()
+            .name("http-conn".into())
+            .spawn(move || {
+                serve_connection(stream, &api, &inf);
+                act.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            log::warn!("API: no thread for a connection: {e}");
+            active.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// One parsed request.
+struct Request {
+    method: String,
+    path: String,
+    body: Vec<u8>,
+    close: bool,
+}
+
+/// Why reading a request stopped.
+enum ReadError {
+    /// The client closed or timed out between requests: nothing to answer.
+    Gone,
+    /// A bad request: answer it, then close.
+    Bad(ApiError),
+}
+
+fn io_gone(e: io::Error) -> ReadError {
+    log::debug!("API: connection: {e}");
+    ReadError::Gone
+}
+
+/// Reads one request; `buf` keeps bytes of the next one.
+fn read_request(stream: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Request, ReadError> {
+    let mut chunk = [0u8; 8192];
+    let (head_len, method, path, content_length, close) = loop {
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => {
+                let mut len = None;
+                let mut close = req.version == Some(0);
+                for h in req.headers.iter() {
+                    if h.name.eq_ignore_ascii_case("content-length") {
+                        let v = std::str::from_utf8(h.value)
+                            .ok()
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .ok_or_else(|| {
+                                ReadError::Bad(ApiError::new(400, "invalid Content-Length"))
+                            })?;
+                        if len.is_some_and(|l| l != v) {
+                            return Err(ReadError::Bad(ApiError::new(
+                                400,
+                                "conflicting Content-Length headers",
+                            )));
+                        }
+                        len = Some(v);
+                    } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                        return Err(ReadError::Bad(ApiError::new(
+                            400,
+                            "Transfer-Encoding is not supported: send Content-Length",
+                        )));
+                    } else if h.name.eq_ignore_ascii_case("connection") {
+                        close = h.value.eq_ignore_ascii_case(b"close");
+                    }
+                }
+                break (
+                    n,
+                    req.method.unwrap_or("").to_owned(),
+                    req.path.unwrap_or("").to_owned(),
+                    len.unwrap_or(0),
+                    close,
+                );
+            }
+            Ok(httparse::Status::Partial) => {
+                if buf.len() > MAX_HEAD {
+                    return Err(ReadError::Bad(ApiError::new(
+                        400,
+                        format!("request head larger than {MAX_HEAD} bytes"),
+                    )));
+                }
+            }
+            Err(e) => {
+                return Err(ReadError::Bad(ApiError::new(
+                    400,
+                    format!("malformed HTTP request: {e}"),
+                )))
+            }
+        }
+        let n = stream.read(&mut chunk).map_err(io_gone)?;
+        if n == 0 {
+            if !buf.is_empty() {
+                log::debug!("API: client closed in the middle of a request head");
+            }
+            return Err(ReadError::Gone);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    if content_length > MAX_BODY {
+        return Err(ReadError::Bad(ApiError::new(
+            413,
+            format!("request body of {content_length} bytes: at most {MAX_BODY} are accepted"),
+        )));
+    }
+    buf.drain(..head_len);
+    while buf.len() < content_length {
+        let n = stream.read(&mut chunk).map_err(io_gone)?;
+        if n == 0 {
+            log::debug!("API: client closed in the middle of a request body");
+            return Err(ReadError::Gone);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let body = buf.drain(..content_length).collect();
+    Ok(Request {
+        method,
+        path,
+        body,
+        close,
+    })
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        204 => "No Content",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        409 => "Conflict",
+        413 => "Payload Too Large",
+        503 => "Service Unavailable",
+        _ => "Internal Server Error",
+    }
+}
+
+fn write_response(stream: &mut UnixStream, r: &ApiResult, close: bool) -> io::Result<()> {
+    let (status, body) = match r {
+        Ok(None) => (204, Vec::new()),
+        Ok(Some(v)) => (200, serde_json::to_vec(v).unwrap_or_default()),
+        Err(e) => (e.status, serde_json::to_vec(&e.chain).unwrap_or_default()),
+    };
+    let mut head = format!(
+        "HTTP/1.1 {status} {}\r\nServer: Cloud Hypervisor API\r\n",
+        reason(status)
+    );
+    if !body.is_empty() {
+        head.push_str("Content-Type: application/json\r\n");
+    }
+    head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    if close {
+        head.push_str("Connection: close\r\n");
+    }
+    head.push_str("\r\n");
+    let mut out = head.into_bytes();
+    out.extend_from_slice(&body);
+    stream.write_all(&out)?;
+    stream.flush()
+}
+
+fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicUsize) {
+    if stream.set_read_timeout(Some(READ_TIMEOUT)).is_err()
+        || stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err()
+    {
+        return;
+    }
+    let mut buf = Vec::new();
+    loop {
+        match read_request(&mut stream, &mut buf) {
+            Ok(req) => {
+                let result = match route(&req.method, &req.path, &req.body) {
+                    Ok(action) => {
+                        in_flight.fetch_add(1, Ordering::AcqRel);
+                        let r = api.call(action);
+                        let w = write_response(&mut stream, &r, req.close);
+                        in_flight.fetch_sub(1, Ordering::AcqRel);
+                        w
+                    }
+                    Err(e) => {
+                        log::debug!("API: {} {}: {}", req.method, req.path, e.chain.join(": "));
+                        write_response(&mut stream, &Err(e), req.close)
+                    }
+                };
+                if result.is_err() || req.close {
+                    return;
+                }
+            }
+            Err(ReadError::Gone) => return,
+            Err(ReadError::Bad(e)) => {
+                log::debug!("API: bad request: {}", e.chain.join(": "));
+                let _ = write_response(&mut stream, &Err(e), true);
+                return;
+            }
+        }
+    }
+}

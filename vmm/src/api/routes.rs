@@ -1,0 +1,152 @@
+//! Method + path -> action, and the action's JSON body -> its struct.
+//! Pure functions: the HTTP layer's bad-request answers come from here,
+//! testable (and fuzzable) without a socket.
+
+use serde::de::DeserializeOwned;
+
+use super::{ApiError, ApiRequest};
+
+/// The path prefix of every endpoint.
+pub const PREFIX: &str = "/api/v1/";
+
+/// Every endpoint: (action, method). `docs/openapi.yaml` describes exactly
+/// these (a test checks it).
+pub const ROUTES: &[(&str, &str)] = &[
+    ("vmm.ping", "GET"),
+    ("vmm.shutdown", "PUT"),
+    ("vm.create", "PUT"),
+    ("vm.boot", "PUT"),
+    ("vm.info", "GET"),
+    ("vm.pause", "PUT"),
+    ("vm.resume", "PUT"),
+    ("vm.shutdown", "PUT"),
+    ("vm.reboot", "PUT"),
+    ("vm.delete", "PUT"),
+    ("vm.add-pmem", "PUT"),
+    ("vm.remove-device", "PUT"),
+    ("vm.pmem-snapshot", "PUT"),
+    ("vm.pmem-overlay", "PUT"),
+    ("vm.pmem-rollback", "PUT"),
+    ("vm.pmem-snapshot-delete", "PUT"),
+    ("vm.pmem-flush", "PUT"),
+    ("vm.pmem-info", "GET"),
+];
+
+fn json<T: DeserializeOwned>(action: &str, body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::new(
+            400,
+            format!("{action}: the request needs a JSON body"),
+        ));
+    }
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::with_source(400, format!("{action}: invalid request body"), &e))
+}
+
+fn no_body(action: &str, body: &[u8]) -> Result<(), ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            400,
+            format!("{action}: this action takes no request body"),
+        ))
+    }
+}
+
+/// Routes one request. `path` may carry a query string, which no endpoint
+/// uses (it is ignored).
+pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, ApiError> {
+    let path = path.split('?').next().unwrap_or(path);
+    let action = path
+        .strip_prefix(PREFIX)
+        .filter(|a| ROUTES.iter().any(|(r, _)| r == a))
+        .ok_or_else(|| ApiError::new(404, format!("unknown path {path}")))?;
+    let allowed = ROUTES
+        .iter()
+        .find(|(r, _)| *r == action)
+        .map(|(_, m)| *m)
+        .unwrap_or("PUT");
+    if method != allowed {
+        return Err(ApiError::new(
+            405,
+            format!("{action}: method {method} not allowed (use {allowed})"),
+        ));
+    }
+    let nb = |r: ApiRequest| no_body(action, body).map(|()| r);
+    Ok(match action {
+        "vmm.ping" => nb(ApiRequest::VmmPing)?,
+        "vmm.shutdown" => nb(ApiRequest::VmmShutdown)?,
+        "vm.create" => ApiRequest::VmCreate(Box::new(json(action, body)?)),
+        "vm.boot" => nb(ApiRequest::VmBoot)?,
+        "vm.info" => nb(ApiRequest::VmInfo)?,
+        "vm.pause" => nb(ApiRequest::VmPause)?,
+        "vm.resume" => nb(ApiRequest::VmResume)?,
+        "vm.shutdown" => nb(ApiRequest::VmShutdown)?,
+        "vm.reboot" => nb(ApiRequest::VmReboot)?,
+        "vm.delete" => nb(ApiRequest::VmDelete)?,
+        "vm.add-pmem" => ApiRequest::VmAddPmem(Box::new(json(action, body)?)),
+        "vm.remove-device" => ApiRequest::VmRemoveDevice(json(action, body)?),
+        "vm.pmem-snapshot" => ApiRequest::PmemSnapshot(json(action, body)?),
+        "vm.pmem-overlay" => ApiRequest::PmemOverlay(json(action, body)?),
+        "vm.pmem-rollback" => ApiRequest::PmemRollback(json(action, body)?),
+        "vm.pmem-snapshot-delete" => ApiRequest::PmemSnapshotDelete(json(action, body)?),
+        "vm.pmem-flush" => ApiRequest::PmemFlush(json(action, body)?),
+        "vm.pmem-info" => nb(ApiRequest::PmemInfo)?,
+        other => return Err(ApiError::new(404, format!("unknown path {PREFIX}{other}"))),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::PmemSnapshot;
+
+    #[test]
+    fn paths_methods_and_bodies() {
+        assert_eq!(
+            route("GET", "/api/v1/vmm.ping", b"").unwrap(),
+            ApiRequest::VmmPing
+        );
+        assert_eq!(
+            route("PUT", "/api/v1/vm.boot", b" \n").unwrap(),
+            ApiRequest::VmBoot
+        );
+        assert_eq!(
+            route(
+                "PUT",
+                "/api/v1/vm.pmem-snapshot",
+                br#"{"id":"p","tag":"t"}"#
+            )
+            .unwrap(),
+            ApiRequest::PmemSnapshot(PmemSnapshot {
+                id: "p".into(),
+                tag: "t".into()
+            })
+        );
+        let e = |m, p, b: &[u8]| route(m, p, b).unwrap_err();
+        assert_eq!(e("GET", "/api/v1/vm.nothing", b"").status, 404);
+        assert_eq!(e("GET", "/api/v2/vmm.ping", b"").status, 404);
+        assert_eq!(e("GET", "/api/v1/", b"").status, 404);
+        assert_eq!(e("PUT", "/api/v1/vmm.ping", b"").status, 405);
+        assert_eq!(e("GET", "/api/v1/vm.boot", b"").status, 405);
+        assert_eq!(e("PUT", "/api/v1/vm.boot", b"{}").status, 400);
+        assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"").status, 400);
+        assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"{").status, 400);
+        assert_eq!(
+            e("PUT", "/api/v1/vm.pmem-snapshot", br#"{"id":"p","tag":1}"#).status,
+            400
+        );
+        let unknown = e(
+            "PUT",
+            "/api/v1/vm.pmem-snapshot",
+            br#"{"id":"p","tag":"t","extra":1}"#,
+        );
+        assert_eq!(unknown.status, 400);
+        assert!(unknown.chain.join(" ").contains("extra"), "{unknown:?}");
+        assert_eq!(
+            e("PUT", "/api/v1/vm.create", br#"{"memory":{"size":"x"}}"#).status,
+            400
+        );
+    }
+}

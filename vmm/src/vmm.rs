@@ -1,0 +1,671 @@
+//! The VMM: at most one VM, its lifecycle, and the API actions on it.
+//!
+//! States of the VM (as `vm.info` reports them):
+//!
+//! | state | machine | reached by |
+//! |---|---|---|
+//! | (none) | - | start without `--kernel`, `vm.delete` |
+//! | `Created` | - | `--kernel` (before the boot), `vm.create` |
+//! | `Running` | built, vCPUs run | `vm.boot`, `vm.resume`, `vm.reboot`, guest reset |
+//! | `Paused` | built, vCPUs held | `vm.pause` |
+//! | `Shutdown` | - | `vm.shutdown` |
+//!
+//! The VMM thread runs [`Vmm::run`]: while a machine exists it is the
+//! control loop ([`crate::control`]), which also returns when the API has
+//! requests; otherwise it waits for the API or a signal. Guest power-off
+//! and SIGTERM/SIGINT end the VMM (exit code 0) after the final barriers,
+//! as upstream ends on them; `vmm.shutdown` too.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use crate::api::{
+    ApiError, ApiReceiver, ApiRequest, ApiResult, PmemOverlay, PmemRollback, PmemSnapshot,
+    PmemSnapshotDelete, RequestHandler,
+};
+use crate::config::{PmemConfig, ValidationError, VmConfig};
+use crate::control::{self, Inputs, Outcome};
+use crate::machine::{Machine, Pmem};
+
+/// The VM's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmState {
+    /// Configured, not booted.
+    Created,
+    /// vCPUs running.
+    Running,
+    /// vCPUs held.
+    Paused,
+    /// Shut down (may boot again).
+    Shutdown,
+}
+
+impl VmState {
+    fn name(self) -> &'static str {
+        match self {
+            VmState::Created => "Created",
+            VmState::Running => "Running",
+            VmState::Paused => "Paused",
+            VmState::Shutdown => "Shutdown",
+        }
+    }
+}
+
+struct Vm {
+    config: VmConfig,
+    state: VmState,
+    machine: Option<Machine>,
+    boots: u64,
+}
+
+/// Why the VMM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmmExit {
+    /// Guest power-off, a signal, or `vmm.shutdown`: exit code 0.
+    Done(String),
+    /// A failure (exit code 1).
+    Failed(String),
+}
+
+/// The VMM state.
+pub struct Vmm {
+    vm: Option<Vm>,
+    inputs: Inputs,
+    api: Option<ApiReceiver>,
+    exit: Option<VmmExit>,
+}
+
+fn chain_of(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
+}
+
+/// The status a pcow library error answers with.
+fn pcow_status(e: &pcow::Error) -> u16 {
+    match e {
+        pcow::Error::NoSuchSnapshot { .. } => 404,
+        pcow::Error::DuplicateTag { .. } | pcow::Error::Locked { .. } => 409,
+        pcow::Error::BadTag { .. } | pcow::Error::Limit { .. } => 400,
+        _ => 500,
+    }
+}
+
+fn barrier_status(e: &virtio_pmem_pcow::BarrierError) -> u16 {
+    match e {
+        virtio_pmem_pcow::BarrierError::Image(p) => pcow_status(p),
+        _ => 500,
+    }
+}
+
+fn snapshot_json(s: &pcow::SnapshotInfo) -> Value {
+    json!({
+        "id": s.id,
+        "tag": s.tag,
+        "time": pcow::civil::rfc3339(s.time_sec),
+    })
+}
+
+fn conflict(msg: impl Into<String>) -> ApiError {
+    ApiError::new(409, msg)
+}
+
+impl Vmm {
+    /// A VMM with no VM yet.
+    pub fn new(inputs: Inputs, api: Option<ApiReceiver>) -> Vmm {
+        Vmm {
+            vm: None,
+            inputs,
+            api,
+            exit: None,
+        }
+    }
+
+    fn vm(&self) -> Result<&Vm, ApiError> {
+        self.vm
+            .as_ref()
+            .ok_or_else(|| ApiError::new(404, "no VM is created (vm.create first)"))
+    }
+
+    fn vm_mut(&mut self) -> Result<&mut Vm, ApiError> {
+        self.vm
+            .as_mut()
+            .ok_or_else(|| ApiError::new(404, "no VM is created (vm.create first)"))
+    }
+
+    /// Creates the VM from `config` (validated here).
+    pub fn create(&mut self, mut config: VmConfig) -> ApiResult {
+        if let Some(vm) = &self.vm {
+            return Err(conflict(format!(
+                "a VM is already created (state {}): vm.delete it first",
+                vm.state.name()
+            )));
+        }
+        config
+            .validate()
+            .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
+        self.vm = Some(Vm {
+            config,
+            state: VmState::Created,
+            machine: None,
+            boots: 0,
+        });
+        Ok(None)
+    }
+
+    /// Builds and starts the machine of a created or shut-down VM.
+    pub fn boot(&mut self) -> ApiResult {
+        let vm = self.vm_mut()?;
+        if vm.machine.is_some() {
+            return Err(conflict(format!("the VM is {}", vm.state.name())));
+        }
+        // Again: the files may have changed since the VM was created.
+        let pmem = vm
+            .config
+            .validate()
+            .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
+        let mut m = Machine::build(&vm.config, &pmem)
+            .map_err(|e| ApiError::with_source(500, "building the VM", &e))?;
+        m.start()
+            .map_err(|e| ApiError::with_source(500, "starting the vCPUs", &e))?;
+        vm.boots += 1;
+        log::info!("guest started (boot {})", vm.boots);
+        vm.machine = Some(m);
+        vm.state = VmState::Running;
+        Ok(None)
+    }
+
+    /// Stops the machine (final barriers) if there is one; the state
+    /// becomes `Shutdown`.
+    fn stop_machine(&mut self) -> Result<(), String> {
+        let Some(vm) = self.vm.as_mut() else {
+            return Ok(());
+        };
+        let Some(mut m) = vm.machine.take() else {
+            return Ok(());
+        };
+        vm.state = VmState::Shutdown;
+        let failed = control::stop(&mut m)?;
+        drop(m);
+        if failed > 0 {
+            return Err(format!(
+                "{failed} pmem device(s) failed their final barrier"
+            ));
+        }
+        Ok(())
+    }
+
+    fn running(&self) -> Result<&Machine, ApiError> {
+        let vm = self.vm()?;
+        vm.machine
+            .as_ref()
+            .ok_or_else(|| conflict(format!("the VM is {}, not running", vm.state.name())))
+    }
+
+    /// Runs until the VMM should end.
+    pub fn run(&mut self) -> VmmExit {
+        loop {
+            if let Some(exit) = self.exit.take() {
+                if let Err(e) = self.stop_machine() {
+                    return VmmExit::Failed(e);
+                }
+                return exit;
+            }
+            let api_fd = self.api.as_ref().map(|a| a.evt.as_raw_fd());
+            let outcome = match self.vm.as_mut().and_then(|v| v.machine.as_mut()) {
+                Some(m) => match control::run(m, &self.inputs, api_fd) {
+                    Ok(o) => o,
+                    Err(e) => Outcome::Failed(chain_of(&e)),
+                },
+                None => match self.wait_idle(api_fd) {
+                    Ok(o) => o,
+                    Err(e) => Outcome::Failed(e),
+                },
+            };
+            match outcome {
+                Outcome::Api => self.serve_api(),
+                Outcome::PowerOff => {
+                    self.exit = Some(VmmExit::Done("guest powered off".into()));
+                }
+                Outcome::Signal(sig) => {
+                    self.exit = Some(VmmExit::Done(format!("stopped by signal {sig}")));
+                }
+                Outcome::Reset => {
+                    log::info!("guest reset: booting again");
+                    if let Err(e) = self.restart() {
+                        self.exit = Some(VmmExit::Failed(e.chain.join(": ")));
+                    }
+                }
+                Outcome::Failed(msg) => self.exit = Some(VmmExit::Failed(msg)),
+            }
+        }
+    }
+
+    /// Stops and boots again.
+    fn restart(&mut self) -> ApiResult {
+        self.stop_machine()
+            .map_err(|e| ApiError::new(500, format!("stopping the VM: {e}")))?;
+        self.boot()
+    }
+
+    fn serve_api(&mut self) {
+        if let Some(api) = self.api.take() {
+            api.serve(self);
+            self.api = Some(api);
+        }
+    }
+
+    /// No machine: waits for an API request or a signal.
+    fn wait_idle(&mut self, api_fd: Option<RawFd>) -> Result<Outcome, String> {
+        let Some(api_fd) = api_fd else {
+            return Err("no VM and no API socket: nothing to do".into());
+        };
+        let epoll = Epoll::new().map_err(|e| format!("epoll_create: {e}"))?;
+        for (fd, data) in [(api_fd, 0u64), (self.inputs.signal_fd, 1)] {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, data),
+                )
+                .map_err(|e| format!("epoll_ctl: {e}"))?;
+        }
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("epoll_wait: {e}")),
+            };
+            for ev in &events[..n] {
+                if ev.data() == 1 {
+                    if let Some(sig) = control::read_signal(self.inputs.signal_fd) {
+                        return Ok(Outcome::Signal(sig));
+                    }
+                } else {
+                    return Ok(Outcome::Api);
+                }
+            }
+        }
+    }
+
+    fn info(&self) -> ApiResult {
+        let vm = self.vm()?;
+        let mut tree = serde_json::Map::new();
+        for p in vm.config.pmem() {
+            let id = p.id.clone().unwrap_or_default();
+            let bdf = vm
+                .machine
+                .as_ref()
+                .and_then(|m| m.pmem.iter().find(|d| d.id == id))
+                .map(|d| d.bdf.clone());
+            tree.insert(
+                id.clone(),
+                json!({"id": id, "resources": [], "parent": null, "children": [], "pci_bdf": bdf}),
+            );
+        }
+        Ok(Some(json!({
+            "config": vm.config,
+            "state": vm.state.name(),
+            "memory_actual_size": vm.config.memory.size,
+            "device_tree": tree,
+        })))
+    }
+
+    fn add_pmem(&mut self, cfg: PmemConfig) -> ApiResult {
+        let vm = self.vm_mut()?;
+        if vm.machine.is_some() {
+            return Err(conflict(
+                "hot-plug of pmem devices into a running VM is not implemented: \
+                 add the device before vm.boot or after vm.shutdown",
+            ));
+        }
+        vm.config.add_pmem(cfg).map_err(|e| {
+            let status = match e {
+                ValidationError::DuplicateId(_) | ValidationError::PmemSameFile { .. } => 409,
+                _ => 400,
+            };
+            ApiError::with_source(status, "vm.add-pmem", &e)
+        })?;
+        Ok(None)
+    }
+
+    fn remove_device(&mut self, id: &str) -> ApiResult {
+        let vm = self.vm_mut()?;
+        if vm.machine.is_some() {
+            return Err(conflict(
+                "hot-unplug from a running VM is not implemented: \
+                 remove the device before vm.boot or after vm.shutdown",
+            ));
+        }
+        let list = vm.config.pmem.get_or_insert_with(Vec::new);
+        let before = list.len();
+        list.retain(|p| p.id.as_deref() != Some(id));
+        if list.len() == before {
+            return Err(ApiError::new(404, format!("no device with id {id}")));
+        }
+        Ok(None)
+    }
+
+    /// The configured pmem device `id` (404 if unknown, 400 if raw).
+    fn pcow_config(&self, id: &str) -> Result<PathBuf, ApiError> {
+        let vm = self.vm()?;
+        let p = vm
+            .config
+            .pmem()
+            .iter()
+            .find(|p| p.id.as_deref() == Some(id))
+            .ok_or_else(|| ApiError::new(404, format!("no pmem device with id {id}")))?;
+        let file = std::fs::File::open(&p.file)
+            .map_err(|e| ApiError::with_source(500, format!("{}", p.file.display()), &e))?;
+        let is_pcow = pcow::is_pcow(&file)
+            .map_err(|e| ApiError::with_source(500, format!("{}", p.file.display()), &e))?;
+        if !is_pcow {
+            return Err(ApiError::new(
+                400,
+                format!(
+                    "{id} is not a pcow device ({} is a raw file)",
+                    p.file.display()
+                ),
+            ));
+        }
+        Ok(p.file.clone())
+    }
+
+    /// The live pcow device `id`, when the machine runs.
+    fn live(&self, id: &str) -> Result<Option<&Pmem>, ApiError> {
+        self.pcow_config(id)?;
+        Ok(self
+            .vm()?
+            .machine
+            .as_ref()
+            .and_then(|m| m.pmem.iter().find(|p| p.id == id)))
+    }
+
+    fn offline_image(path: &Path) -> Result<pcow::Image, ApiError> {
+        pcow::Image::open(path, pcow::OpenOptions::read_write()).map_err(|e| {
+            ApiError::with_source(pcow_status(&e), format!("opening {}", path.display()), &e)
+        })
+    }
+
+    fn pmem_snapshot(&mut self, r: PmemSnapshot) -> ApiResult {
+        let info = match self.live(&r.id)? {
+            Some(p) => p
+                .pcow()
+                .ok_or_else(|| ApiError::new(400, format!("{} is not a pcow device", r.id)))?
+                .snapshot_create(&r.tag)
+                .map_err(|e| ApiError::with_source(barrier_status(&e), "pmem snapshot", &e))?,
+            None => {
+                let path = self.pcow_config(&r.id)?;
+                let mut img = Self::offline_image(&path)?;
+                img.snapshot_create(&r.tag)
+                    .map_err(|e| ApiError::with_source(pcow_status(&e), "pmem snapshot", &e))?
+            }
+        };
+        log::info!("pmem {}: snapshot {} ({})", r.id, info.id, info.tag);
+        Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
+    }
+
+    fn pmem_overlay(&mut self, r: PmemOverlay) -> ApiResult {
+        let Some(p) = self.live(&r.id)? else {
+            return Err(conflict(
+                "the VM is not running: create an overlay offline with \
+                 `pcow-img create -b BASE -F pcow FILE` and point the device at it",
+            ));
+        };
+        let region = p
+            .pcow()
+            .ok_or_else(|| ApiError::new(400, format!("{} is not a pcow device", r.id)))?;
+        let info = region.overlay(Path::new(&r.file)).map_err(|e| {
+            let status = match e {
+                virtio_pmem_pcow::OverlayError::Exists { .. } => 409,
+                virtio_pmem_pcow::OverlayError::Path { .. } => 400,
+                _ => 500,
+            };
+            ApiError::with_source(status, "pmem overlay", &e)
+        })?;
+        // From now on (reboot, reset) the device is the overlay.
+        if let Some(vm) = self.vm.as_mut() {
+            if let Some(c) = vm
+                .config
+                .pmem
+                .get_or_insert_with(Vec::new)
+                .iter_mut()
+                .find(|c| c.id.as_deref() == Some(r.id.as_str()))
+            {
+                c.file = info.file.clone();
+            }
+            if let Some(m) = vm.machine.as_mut() {
+                if let Some(d) = m.pmem.iter_mut().find(|d| d.id == r.id) {
+                    d.file = info.file.clone();
+                }
+            }
+        }
+        log::info!(
+            "pmem {}: overlay {} on {} ({} clusters remapped, held {:?})",
+            r.id,
+            info.file.display(),
+            info.base,
+            info.remapped_clusters,
+            info.held
+        );
+        Ok(Some(json!({
+            "id": r.id,
+            "file": info.file,
+            "base": info.base,
+        })))
+    }
+
+    fn pmem_rollback(&mut self, r: PmemRollback) -> ApiResult {
+        let path = self.pcow_config(&r.id)?;
+        let running = self.vm()?.machine.is_some();
+        if running && !r.reset {
+            return Err(conflict(format!(
+                "the VM is {}: a rollback replaces what the guest sees under it; \
+                 pass \"reset\": true to restart the guest on the snapshot, \
+                 or shut the VM down first",
+                self.vm()?.state.name()
+            )));
+        }
+        if running {
+            self.stop_machine()
+                .map_err(|e| ApiError::new(500, format!("stopping the VM: {e}")))?;
+        }
+        let info = {
+            let mut img = Self::offline_image(&path)?;
+            img.snapshot_apply(&r.snapshot)
+                .map_err(|e| ApiError::with_source(pcow_status(&e), "pmem rollback", &e))?
+        };
+        log::info!(
+            "pmem {}: rolled back to snapshot {} ({})",
+            r.id,
+            info.id,
+            info.tag
+        );
+        if running {
+            self.boot()?;
+        }
+        Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
+    }
+
+    fn pmem_snapshot_delete(&mut self, r: PmemSnapshotDelete) -> ApiResult {
+        let info = match self.live(&r.id)? {
+            Some(p) => p
+                .pcow()
+                .ok_or_else(|| ApiError::new(400, format!("{} is not a pcow device", r.id)))?
+                .snapshot_delete(&r.snapshot)
+                .map_err(|e| {
+                    ApiError::with_source(barrier_status(&e), "pmem snapshot delete", &e)
+                })?,
+            None => {
+                let path = self.pcow_config(&r.id)?;
+                let mut img = Self::offline_image(&path)?;
+                img.snapshot_delete(&r.snapshot).map_err(|e| {
+                    ApiError::with_source(pcow_status(&e), "pmem snapshot delete", &e)
+                })?
+            }
+        };
+        Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
+    }
+
+    fn pmem_flush(&mut self, id: &str) -> ApiResult {
+        let Some(p) = self.live(id)? else {
+            return Err(conflict(format!(
+                "the VM is {}: nothing to flush (the image is closed)",
+                self.vm()?.state.name()
+            )));
+        };
+        let stats = p
+            .barrier()
+            .ok_or_else(|| ApiError::new(400, format!("{id} is not a pcow device")))?
+            .map_err(|e| ApiError::with_source(barrier_status(&e), "pmem flush", &e))?;
+        Ok(Some(json!({
+            "id": id,
+            "private_pages": stats.private_pages,
+            "pages_copied": stats.pages_copied,
+            "held_us": stats.held.as_micros() as u64,
+        })))
+    }
+
+    fn pmem_info(&self) -> ApiResult {
+        let vm = self.vm()?;
+        let mut out = Vec::new();
+        for c in vm.config.pmem() {
+            let id = c.id.clone().unwrap_or_default();
+            let file_size = std::fs::metadata(&c.file).map(|m| m.len()).ok();
+            let live = vm
+                .machine
+                .as_ref()
+                .and_then(|m| m.pmem.iter().find(|p| p.id == id));
+            let mut entry = json!({
+                "id": id,
+                "file": c.file,
+                "file_size": file_size,
+                "format": "raw",
+                "virtual_size": c.size.or(file_size),
+                "allocated_clusters": null,
+                "cluster_size": null,
+                "snapshots": null,
+                "chain": null,
+                "pending_private_pages": null,
+                "barriers": live.map(|p| p.barriers()),
+                "expansions": null,
+            });
+            let is_pcow = std::fs::File::open(&c.file)
+                .ok()
+                .and_then(|f| pcow::is_pcow(&f).ok())
+                .unwrap_or(false);
+            if let Some(region) = live.and_then(Pmem::pcow) {
+                let st = region
+                    .status()
+                    .map_err(|e| ApiError::with_source(500, format!("pmem {id}: status"), &e))?;
+                entry["format"] = json!("pcow");
+                entry["virtual_size"] = json!(region.len());
+                entry["cluster_size"] = json!(region.cluster_size());
+                entry["allocated_clusters"] = json!(st.allocated_clusters);
+                entry["snapshots"] = st.snapshots.iter().map(snapshot_json).collect();
+                entry["chain"] = json!(st.chain);
+                entry["pending_private_pages"] = json!(st.pending_private_pages);
+                entry["expansions"] = json!(st.faults.write_faults);
+            } else if is_pcow {
+                let opts = pcow::OpenOptions {
+                    force_share: true,
+                    ..pcow::OpenOptions::default()
+                };
+                let img = pcow::Image::open(&c.file, opts).map_err(|e| {
+                    ApiError::with_source(500, format!("pmem {id}: {}", c.file.display()), &e)
+                })?;
+                entry["format"] = json!("pcow");
+                entry["virtual_size"] = json!(img.virtual_size());
+                entry["cluster_size"] = json!(img.cluster_size());
+                entry["allocated_clusters"] = json!(img.allocated_clusters());
+                entry["snapshots"] = img.snapshots().iter().map(snapshot_json).collect();
+                entry["chain"] = json!(img.chain_paths());
+                entry["pending_private_pages"] = json!(0);
+            }
+            out.push(entry);
+        }
+        Ok(Some(Value::Array(out)))
+    }
+}
+
+impl RequestHandler for Vmm {
+    fn handle(&mut self, request: ApiRequest) -> ApiResult {
+        log::debug!("API request: {request:?}");
+        match request {
+            ApiRequest::VmmPing => Ok(Some(json!({
+                "build_version": env!("CARGO_PKG_VERSION"),
+                "version": env!("CARGO_PKG_VERSION"),
+                "pid": std::process::id(),
+                "features": ["kvm", "pcow"],
+            }))),
+            ApiRequest::VmmShutdown => {
+                self.exit = Some(VmmExit::Done("vmm.shutdown".into()));
+                Ok(None)
+            }
+            ApiRequest::VmCreate(cfg) => self.create(*cfg),
+            ApiRequest::VmBoot => self.boot(),
+            ApiRequest::VmInfo => self.info(),
+            ApiRequest::VmPause => {
+                let vm = self.vm_mut()?;
+                match (&vm.machine, vm.state) {
+                    (Some(m), VmState::Running) => {
+                        m.ctl.pause();
+                        vm.state = VmState::Paused;
+                        Ok(None)
+                    }
+                    _ => Err(conflict(format!(
+                        "the VM is {}, not Running",
+                        vm.state.name()
+                    ))),
+                }
+            }
+            ApiRequest::VmResume => {
+                let vm = self.vm_mut()?;
+                match (&vm.machine, vm.state) {
+                    (Some(m), VmState::Paused) => {
+                        m.ctl.resume();
+                        vm.state = VmState::Running;
+                        Ok(None)
+                    }
+                    _ => Err(conflict(format!(
+                        "the VM is {}, not Paused",
+                        vm.state.name()
+                    ))),
+                }
+            }
+            ApiRequest::VmShutdown => {
+                self.running()?;
+                self.stop_machine()
+                    .map_err(|e| ApiError::new(500, format!("shutting the VM down: {e}")))?;
+                Ok(None)
+            }
+            ApiRequest::VmReboot => {
+                self.running()?;
+                self.restart()
+            }
+            ApiRequest::VmDelete => {
+                self.stop_machine()
+                    .map_err(|e| ApiError::new(500, format!("shutting the VM down: {e}")))?;
+                self.vm = None;
+                Ok(None)
+            }
+            ApiRequest::VmAddPmem(cfg) => self.add_pmem(*cfg),
+            ApiRequest::VmRemoveDevice(d) => self.remove_device(&d.id),
+            ApiRequest::PmemSnapshot(r) => self.pmem_snapshot(r),
+            ApiRequest::PmemOverlay(r) => self.pmem_overlay(r),
+            ApiRequest::PmemRollback(r) => self.pmem_rollback(r),
+            ApiRequest::PmemSnapshotDelete(r) => self.pmem_snapshot_delete(r),
+            ApiRequest::PmemFlush(d) => self.pmem_flush(&d.id),
+            ApiRequest::PmemInfo => self.pmem_info(),
+        }
+    }
+}
