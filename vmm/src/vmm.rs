@@ -476,23 +476,48 @@ impl Vmm {
             )));
         }
         if running {
+            // Refuse an unknown snapshot before the guest is stopped for it.
+            let opts = pcow::OpenOptions {
+                force_share: true,
+                ..pcow::OpenOptions::default()
+            };
+            let img = pcow::Image::open(&path, opts).map_err(|e| {
+                ApiError::with_source(500, format!("opening {}", path.display()), &e)
+            })?;
+            let known = img
+                .snapshots()
+                .iter()
+                .any(|s| s.tag == r.snapshot || s.id.to_string() == r.snapshot);
+            if !known {
+                return Err(ApiError::new(
+                    404,
+                    format!(
+                        "{}: no snapshot with id or tag {:?}",
+                        path.display(),
+                        r.snapshot
+                    ),
+                ));
+            }
+            drop(img);
             self.stop_machine()
                 .map_err(|e| ApiError::new(500, format!("stopping the VM: {e}")))?;
         }
-        let info = {
-            let mut img = Self::offline_image(&path)?;
+        let applied = Self::offline_image(&path).and_then(|mut img| {
             img.snapshot_apply(&r.snapshot)
-                .map_err(|e| ApiError::with_source(pcow_status(&e), "pmem rollback", &e))?
-        };
+                .map_err(|e| ApiError::with_source(pcow_status(&e), "pmem rollback", &e))
+        });
+        if running {
+            // Back up in any case: on the snapshot, or on the unchanged
+            // image if the rollback failed.
+            self.boot()?;
+        }
+        let info = applied?;
         log::info!(
             "pmem {}: rolled back to snapshot {} ({})",
             r.id,
             info.id,
             info.tag
         );
-        if running {
-            self.boot()?;
-        }
         Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
     }
 

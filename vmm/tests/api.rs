@@ -1,0 +1,761 @@
+//! The HTTP API of the `cloud-hypervisor` binary, through raw HTTP on its
+//! Unix socket: every endpoint, every state transition and refusal, the
+//! pcow actions on a running VM (the guest is a halting PVH stub: the host's
+//! emulating KVM runs it), and bad input (malformed requests, wrong types,
+//! unknown fields, huge bodies, vanished and slow clients, concurrency).
+//! The images are checked with the pcow library afterwards.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pcow::{CreateOptions, Image, OpenOptions};
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cloud-hypervisor");
+const MIB: u64 = 1 << 20;
+
+/// One request on a new connection: (status, body).
+fn call_raw(sock: &Path, raw: &[u8]) -> (u16, String) {
+    let mut s = UnixStream::connect(sock).expect("connect to the API socket");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(raw).expect("send");
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read the head, then Content-Length bytes.
+    let (head_end, len) = loop {
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "connection closed before a response: {out:?}");
+        out.extend_from_slice(&buf[..n]);
+        if let Some(p) = out.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&out[..p]).to_string();
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap())
+                })
+                .unwrap_or(0);
+            break (p + 4, len);
+        }
+    };
+    while out.len() < head_end + len {
+        let n = s.read(&mut buf).expect("read body");
+        assert!(n > 0, "connection closed in the body");
+        out.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&out[..head_end]).to_string();
+    let status = head[9..12].parse().expect("status code");
+    if len > 0 {
+        assert!(
+            head.contains("Content-Type: application/json"),
+            "JSON content type: {head}"
+        );
+    }
+    (
+        status,
+        String::from_utf8_lossy(&out[head_end..head_end + len]).to_string(),
+    )
+}
+
+fn call(sock: &Path, method: &str, action: &str, body: Option<&Value>) -> (u16, String) {
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let raw = format!(
+        "{method} /api/v1/{action} HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    call_raw(sock, raw.as_bytes())
+}
+
+/// Expects `status`; returns the body as JSON (Null for none).
+fn expect(sock: &Path, method: &str, action: &str, body: Option<Value>, status: u16) -> Value {
+    let (st, b) = call(sock, method, action, body.as_ref());
+    assert_eq!(st, status, "{method} {action} {body:?}: {b}");
+    if b.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&b).unwrap_or_else(|e| panic!("{action}: {e}: {b}"))
+    }
+}
+
+/// An error response: status and a chain that mentions `needle`.
+fn refused(
+    sock: &Path,
+    method: &str,
+    action: &str,
+    body: Option<Value>,
+    status: u16,
+    needle: &str,
+) {
+    let v = expect(sock, method, action, body, status);
+    let chain = v
+        .as_array()
+        .unwrap_or_else(|| panic!("error chain array: {v}"));
+    let text = chain
+        .iter()
+        .map(|s| s.as_str().expect("chain of strings"))
+        .collect::<Vec<_>>()
+        .join(" | ");
+    assert!(
+        text.contains(needle),
+        "{action}: error should mention {needle:?}: {text}"
+    );
+}
+
+struct Vmm {
+    child: Child,
+    dir: tempfile::TempDir,
+    sock: PathBuf,
+}
+
+impl Vmm {
+    fn start() -> Option<Vmm> {
+        if !Path::new("/dev/kvm").exists() {
+            assert!(std::env::var_os("CI").is_none(), "no /dev/kvm under CI");
+            println!("SKIPPED: no /dev/kvm");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let child = Command::new(BIN)
+            .args(["--api-socket", &format!("path={}", sock.display()), "-v"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn");
+        let t0 = Instant::now();
+        while !sock.exists() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "no API socket");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Some(Vmm { child, dir, sock })
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn s(&self, name: &str) -> String {
+        self.path(name).to_string_lossy().into_owned()
+    }
+
+    /// A pcow image with "base" bytes at 4096.
+    fn pcow(&self, name: &str) -> String {
+        let opts = CreateOptions {
+            virtual_size: Some(4 * MIB),
+            ..CreateOptions::default()
+        };
+        let mut img = Image::create(self.path(name), &opts).unwrap();
+        img.write_at(b"base data", 4096).unwrap();
+        img.flush().unwrap();
+        self.s(name)
+    }
+
+    fn config(&self, pmem: Value) -> Value {
+        json!({
+            "payload": {"kernel": self.s("vmlinux")},
+            "cpus": {"boot_vcpus": 2, "max_vcpus": 2},
+            "memory": {"size": 64 * MIB},
+            "pmem": pmem,
+            "serial": {"mode": "Null"},
+            "console": {"mode": "Off"},
+        })
+    }
+
+    fn wait_exit(&mut self) -> Option<i32> {
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code();
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "VMM did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The halting PVH stub kernel (see tests/binary.rs).
+fn halting_kernel(path: &Path) {
+    const LOAD: u64 = 0x10_0000;
+    let code = [0xf4u8, 0xeb, 0xfd];
+    let mut e = vec![0x7f, b'E', b'L', b'F', 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    e.extend_from_slice(&2u16.to_le_bytes());
+    e.extend_from_slice(&0x3eu16.to_le_bytes());
+    e.extend_from_slice(&1u32.to_le_bytes());
+    for v in [LOAD, 64, 0] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    e.extend_from_slice(&0u32.to_le_bytes());
+    for v in [64u16, 56, 2, 64, 0, 0] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    let ph = |e: &mut Vec<u8>, ty: u32, fl: u32, off: u64, addr: u64, len: u64, al: u64| {
+        e.extend_from_slice(&ty.to_le_bytes());
+        e.extend_from_slice(&fl.to_le_bytes());
+        for v in [off, addr, addr, len, len, al] {
+            e.extend_from_slice(&v.to_le_bytes());
+        }
+    };
+    ph(&mut e, 1, 5, 0x1000, LOAD, code.len() as u64, 0x1000);
+    ph(&mut e, 4, 4, 176, 0, 20, 4);
+    for v in [4u32, 4, 18] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    e.extend_from_slice(b"Xen\0");
+    e.extend_from_slice(&(LOAD as u32).to_le_bytes());
+    e.resize(0x1000, 0);
+    e.extend_from_slice(&code);
+    std::fs::write(path, e).unwrap();
+}
+
+#[test]
+fn lifecycle_states_and_refusals() {
+    let Some(mut v) = Vmm::start() else { return };
+    let sock = v.sock.clone();
+    let sock = sock.as_path();
+    halting_kernel(&v.path("vmlinux"));
+    let img = v.pcow("a.pcow");
+    let img2 = v.pcow("b.pcow");
+    let mode = std::fs::metadata(sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "socket mode");
+
+    let ping = expect(sock, "GET", "vmm.ping", None, 200);
+    assert_eq!(ping["pid"], json!(v.child.id()));
+    for k in ["build_version", "version", "features"] {
+        assert!(ping.get(k).is_some(), "ping has {k}: {ping}");
+    }
+    // No VM yet.
+    refused(sock, "GET", "vm.info", None, 404, "no VM");
+    refused(sock, "PUT", "vm.boot", None, 404, "no VM");
+    refused(sock, "GET", "vm.pmem-info", None, 404, "no VM");
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-flush",
+        Some(json!({"id": "p0"})),
+        404,
+        "no VM",
+    );
+    // Bad configs: each a 400 that names what is wrong.
+    refused(
+        sock,
+        "PUT",
+        "vm.create",
+        Some(json!({"memory": {"size": "big"}})),
+        400,
+        "invalid",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.create",
+        Some(json!({"frobs": 1})),
+        400,
+        "frobs",
+    );
+    let mut c = v.config(json!([{"file": img, "id": "p0"}]));
+    c["memory"]["shared"] = json!(true);
+    refused(sock, "PUT", "vm.create", Some(c), 400, "memory.shared");
+    let c = v.config(json!([{"file": v.s("missing.pcow"), "id": "p0"}]));
+    refused(sock, "PUT", "vm.create", Some(c), 400, "missing.pcow");
+
+    expect(
+        sock,
+        "PUT",
+        "vm.create",
+        Some(v.config(json!([{"file": img, "id": "p0"}]))),
+        204,
+    );
+    let c = v.config(json!([]));
+    refused(sock, "PUT", "vm.create", Some(c), 409, "already created");
+    let info = expect(sock, "GET", "vm.info", None, 200);
+    assert_eq!(info["state"], "Created");
+    assert_eq!(info["memory_actual_size"], json!(64 * MIB));
+    assert_eq!(info["config"]["pmem"][0]["id"], "p0");
+    // Devices before the boot.
+    expect(
+        sock,
+        "PUT",
+        "vm.add-pmem",
+        Some(json!({"file": img2, "id": "p1"})),
+        204,
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.add-pmem",
+        Some(json!({"file": img2, "id": "p2"})),
+        409,
+        "same file",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.add-pmem",
+        Some(json!({"file": img, "id": "p1"})),
+        409,
+        "p1",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.remove-device",
+        Some(json!({"id": "zz"})),
+        404,
+        "zz",
+    );
+    expect(
+        sock,
+        "PUT",
+        "vm.remove-device",
+        Some(json!({"id": "p1"})),
+        204,
+    );
+    expect(
+        sock,
+        "PUT",
+        "vm.add-pmem",
+        Some(json!({"file": img2, "id": "p1"})),
+        204,
+    );
+    refused(sock, "PUT", "vm.pause", None, 409, "Created");
+    refused(sock, "PUT", "vm.shutdown", None, 409, "Created");
+
+    expect(sock, "PUT", "vm.boot", None, 204);
+    refused(sock, "PUT", "vm.boot", None, 409, "Running");
+    let info = expect(sock, "GET", "vm.info", None, 200);
+    assert_eq!(info["state"], "Running");
+    assert_eq!(info["device_tree"]["p0"]["pci_bdf"], "0000:00:01.0");
+    assert_eq!(info["device_tree"]["p1"]["pci_bdf"], "0000:00:02.0");
+    refused(sock, "PUT", "vm.resume", None, 409, "Running");
+    refused(
+        sock,
+        "PUT",
+        "vm.add-pmem",
+        Some(json!({"file": v.s("c.pcow")})),
+        409,
+        "hot-plug",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.remove-device",
+        Some(json!({"id": "p1"})),
+        409,
+        "hot-unplug",
+    );
+    expect(sock, "PUT", "vm.pause", None, 204);
+    assert_eq!(expect(sock, "GET", "vm.info", None, 200)["state"], "Paused");
+    refused(sock, "PUT", "vm.pause", None, 409, "Paused");
+    expect(sock, "PUT", "vm.resume", None, 204);
+    expect(sock, "PUT", "vm.reboot", None, 204);
+    assert_eq!(
+        expect(sock, "GET", "vm.info", None, 200)["state"],
+        "Running"
+    );
+    expect(sock, "PUT", "vm.shutdown", None, 204);
+    assert_eq!(
+        expect(sock, "GET", "vm.info", None, 200)["state"],
+        "Shutdown"
+    );
+    refused(sock, "PUT", "vm.shutdown", None, 409, "Shutdown");
+    refused(sock, "PUT", "vm.reboot", None, 409, "Shutdown");
+    expect(sock, "PUT", "vm.boot", None, 204);
+    expect(sock, "PUT", "vm.delete", None, 204);
+    refused(sock, "GET", "vm.info", None, 404, "no VM");
+    // Both images were closed cleanly by the final barriers.
+    for p in [&img, &img2] {
+        let r = pcow::check::check(Path::new(p), None, false).unwrap();
+        assert!(r.is_clean(), "{p}: {r:?}");
+    }
+    expect(sock, "PUT", "vmm.shutdown", None, 204);
+    assert_eq!(v.wait_exit(), Some(0));
+    assert!(!sock.exists(), "the socket is removed at exit");
+}
+
+#[test]
+fn pmem_actions_on_a_running_vm() {
+    let Some(mut v) = Vmm::start() else { return };
+    let sock = v.sock.clone();
+    let sock = sock.as_path();
+    halting_kernel(&v.path("vmlinux"));
+    let img = v.pcow("a.pcow");
+    let raw = v.s("raw.img");
+    std::fs::write(&raw, vec![0u8; 2 * MIB as usize]).unwrap();
+    let c = v.config(json!([{"file": img, "id": "p0"}, {"file": raw, "id": "r0"}]));
+    expect(sock, "PUT", "vm.create", Some(c), 204);
+    // Offline (Created): snapshot through the library, rollback allowed.
+    let s0 = expect(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "p0", "tag": "offline"})),
+        200,
+    );
+    assert_eq!(s0["snapshot"]["tag"], "offline");
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-flush",
+        Some(json!({"id": "p0"})),
+        409,
+        "Created",
+    );
+    expect(sock, "PUT", "vm.boot", None, 204);
+
+    let s1 = expect(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "p0", "tag": "one"})),
+        200,
+    );
+    assert_eq!(s1["id"], "p0");
+    assert_eq!(s1["snapshot"]["tag"], "one");
+    let time = s1["snapshot"]["time"].as_str().unwrap();
+    assert!(
+        time.len() == 20 && time.ends_with('Z'),
+        "RFC 3339 time: {time}"
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "p0", "tag": "one"})),
+        409,
+        "one",
+    );
+    let long = "t".repeat(5000);
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "p0", "tag": long})),
+        400,
+        "tag",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "nope", "tag": "x"})),
+        404,
+        "nope",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "r0", "tag": "x"})),
+        400,
+        "not a pcow device",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-flush",
+        Some(json!({"id": "r0"})),
+        400,
+        "not a pcow device",
+    );
+    let f = expect(sock, "PUT", "vm.pmem-flush", Some(json!({"id": "p0"})), 200);
+    assert_eq!(f["id"], "p0");
+    expect(sock, "PUT", "vm.pause", None, 204);
+    expect(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "p0", "tag": "two"})),
+        200,
+    );
+    expect(sock, "PUT", "vm.resume", None, 204);
+    let info = expect(sock, "GET", "vm.pmem-info", None, 200);
+    let p0 = &info[0];
+    assert_eq!(p0["format"], "pcow");
+    assert_eq!(p0["virtual_size"], json!(4 * MIB));
+    let tags: Vec<&str> = p0["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["tag"].as_str().unwrap())
+        .collect();
+    assert_eq!(tags, ["offline", "one", "two"]);
+    assert!(p0["barriers"].as_u64().unwrap() >= 1, "{p0}");
+    assert_eq!(info[1]["format"], "raw");
+    assert_eq!(info[1]["snapshots"], Value::Null);
+
+    expect(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot-delete",
+        Some(json!({"id": "p0", "snapshot": "two"})),
+        200,
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot-delete",
+        Some(json!({"id": "p0", "snapshot": "two"})),
+        404,
+        "two",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-rollback",
+        Some(json!({"id": "p0", "snapshot": "one"})),
+        409,
+        "reset",
+    );
+    let r = expect(
+        sock,
+        "PUT",
+        "vm.pmem-rollback",
+        Some(json!({"id": "p0", "snapshot": "one", "reset": true})),
+        200,
+    );
+    assert_eq!(r["snapshot"]["tag"], "one");
+    assert_eq!(
+        expect(sock, "GET", "vm.info", None, 200)["state"],
+        "Running"
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-rollback",
+        Some(json!({"id": "p0", "snapshot": "nope", "reset": true})),
+        404,
+        "nope",
+    );
+
+    let ov = v.s("ov.pcow");
+    let o = expect(
+        sock,
+        "PUT",
+        "vm.pmem-overlay",
+        Some(json!({"id": "p0", "file": ov})),
+        200,
+    );
+    assert_eq!(o["file"], json!(ov));
+    assert_eq!(o["base"], "a.pcow");
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-overlay",
+        Some(json!({"id": "p0", "file": ov})),
+        409,
+        "exists",
+    );
+    let info = expect(sock, "GET", "vm.info", None, 200);
+    assert_eq!(
+        info["config"]["pmem"][0]["file"],
+        json!(ov),
+        "the config follows the overlay"
+    );
+    expect(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": "p0", "tag": "on-overlay"})),
+        200,
+    );
+    expect(sock, "PUT", "vm.reboot", None, 204);
+    let chain = &expect(sock, "GET", "vm.pmem-info", None, 200)[0]["chain"];
+    assert_eq!(
+        chain.as_array().unwrap().len(),
+        2,
+        "rebooted on the overlay: {chain}"
+    );
+    expect(sock, "PUT", "vmm.shutdown", None, 204);
+    assert_eq!(v.wait_exit(), Some(0));
+
+    // The images, offline: clean, the snapshots where the API put them,
+    // the base data visible through the overlay.
+    for p in [&img, &ov] {
+        let r = pcow::check::check(Path::new(p), None, false).unwrap();
+        assert!(r.is_clean(), "{p}: {r:?}");
+    }
+    let base = Image::open(Path::new(&img), OpenOptions::read_only()).unwrap();
+    let tags: Vec<String> = base.snapshots().into_iter().map(|s| s.tag).collect();
+    assert_eq!(tags, ["offline", "one"]);
+    let top = Image::open(Path::new(&ov), OpenOptions::read_only()).unwrap();
+    assert_eq!(top.snapshots()[0].tag, "on-overlay");
+    let mut buf = [0u8; 9];
+    top.read_at(&mut buf, 4096).unwrap();
+    assert_eq!(&buf, b"base data");
+}
+
+#[test]
+fn bad_requests_are_answered_and_the_vmm_keeps_serving() {
+    let Some(mut v) = Vmm::start() else { return };
+    let sock = v.sock.clone();
+    let sock = sock.as_path();
+    let (st, _) = call_raw(sock, b"GARBAGE\r\n\r\n");
+    assert_eq!(st, 400);
+    let (st, _) = call_raw(
+        sock,
+        b"GET /api/v1/vmm.ping HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+    );
+    assert_eq!(st, 400);
+    let (st, _) = call_raw(
+        sock,
+        b"PUT /api/v1/vm.create HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    );
+    assert_eq!(st, 400);
+    // A body over 4 MiB is refused from its Content-Length alone.
+    let (st, body) = call_raw(
+        sock,
+        b"PUT /api/v1/vm.create HTTP/1.1\r\nContent-Length: 4194305\r\n\r\n",
+    );
+    assert_eq!(st, 413, "{body}");
+    // A huge head.
+    let mut big = b"GET /api/v1/vmm.ping HTTP/1.1\r\n".to_vec();
+    for i in 0..2000 {
+        big.extend_from_slice(format!("X-Filler-{i}: {}\r\n", "y".repeat(20)).as_bytes());
+    }
+    big.extend_from_slice(b"\r\n");
+    assert_eq!(call_raw(sock, &big).0, 400);
+    refused(sock, "PUT", "vm.create", None, 400, "needs a JSON body");
+    refused(
+        sock,
+        "PUT",
+        "vm.boot",
+        Some(json!({"x": 1})),
+        400,
+        "no request body",
+    );
+    refused(sock, "GET", "vm.nothing", None, 404, "unknown path");
+    refused(sock, "DELETE", "vm.info", None, 405, "GET");
+    let (st, _) = call(sock, "PUT", "vm.create", None);
+    assert_eq!(st, 400);
+    // Wrong JSON types.
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-snapshot",
+        Some(json!({"id": 1, "tag": "x"})),
+        400,
+        "invalid",
+    );
+    refused(
+        sock,
+        "PUT",
+        "vm.pmem-rollback",
+        Some(json!({"id": "p", "snapshot": "s", "reset": "yes"})),
+        400,
+        "invalid",
+    );
+    // A client that disconnects halfway through a head, one halfway
+    // through a body, and one that never sends anything.
+    {
+        let mut s = UnixStream::connect(sock).unwrap();
+        s.write_all(b"PUT /api/v1/vm.cre").unwrap();
+    }
+    {
+        let mut s = UnixStream::connect(sock).unwrap();
+        s.write_all(b"PUT /api/v1/vm.create HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"pa")
+            .unwrap();
+    }
+    let idle = UnixStream::connect(sock).unwrap();
+    // Concurrent clients while the idle one holds its connection.
+    let threads: Vec<_> = (0..16)
+        .map(|i| {
+            let sock = sock.to_owned();
+            std::thread::spawn(move || {
+                for _ in 0..10 {
+                    let (st, b) = if i % 2 == 0 {
+                        call(&sock, "GET", "vmm.ping", None)
+                    } else {
+                        call(&sock, "GET", "vm.info", None)
+                    };
+                    assert!(st == 200 || st == 404, "{st} {b}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("client thread");
+    }
+    drop(idle);
+    // Keep-alive: two requests on one connection.
+    let mut s = UnixStream::connect(sock).unwrap();
+    let req = b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    s.write_all(req).unwrap();
+    s.write_all(req).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while got.windows(8).filter(|w| w == b"HTTP/1.1").count() < 2 || !got.ends_with(b"}") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    expect(sock, "GET", "vmm.ping", None, 200);
+    expect(sock, "PUT", "vmm.shutdown", None, 204);
+    assert_eq!(v.wait_exit(), Some(0));
+}
+
+#[test]
+fn one_socket_one_vmm_and_stale_sockets_are_replaced() {
+    let Some(mut v) = Vmm::start() else { return };
+    // A second VMM on the same path is refused; the first keeps serving.
+    let out = Command::new(BIN)
+        .args(["--api-socket", &format!("path={}", v.sock.display())])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("another VMM"), "{err}");
+    expect(&v.sock, "GET", "vmm.ping", None, 200);
+    expect(&v.sock, "PUT", "vmm.shutdown", None, 204);
+    assert_eq!(v.wait_exit(), Some(0));
+
+    // A socket file left behind (its server gone) is replaced.
+    let stale = v.path("stale.sock");
+    drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+    assert!(stale.exists());
+    let mut child = Command::new(BIN)
+        .args(["--api-socket", &format!("path={}", stale.display())])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        if UnixStream::connect(&stale).is_ok() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "stale socket not replaced"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    expect(&stale, "PUT", "vmm.shutdown", None, 204);
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(0));
+    // A path that is not a socket is left alone.
+    let file = v.path("not-a-socket");
+    std::fs::write(&file, b"data").unwrap();
+    let out = Command::new(BIN)
+        .args(["--api-socket", &format!("path={}", file.display())])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(std::fs::read(&file).unwrap(), b"data");
+}
