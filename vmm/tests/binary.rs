@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
 
+mod common;
+
 const BIN: &str = env!("CARGO_BIN_EXE_cloud-hypervisor");
 const MIB: u64 = 1 << 20;
 
@@ -83,47 +85,9 @@ impl Fixture {
         self.s("kernel")
     }
 
-    /// A minimal ELF "kernel" with a PVH entry note whose code halts
-    /// forever: enough for the VMM to build the whole machine.
+    /// The halting PVH stub kernel ([`common::halting_kernel`]).
     fn halting_kernel(&self) -> String {
-        const LOAD: u64 = 0x10_0000;
-        const NOTE_OFF: u64 = 64 + 2 * 56;
-        const CODE_OFF: u64 = 0x1000;
-        let code = [0xf4u8, 0xeb, 0xfd]; // hlt; jmp back to hlt
-        let mut e = Vec::new();
-        e.extend_from_slice(&[0x7f, b'E', b'L', b'F', 2, 1, 1, 0]);
-        e.extend_from_slice(&[0; 8]);
-        e.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
-        e.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
-        e.extend_from_slice(&1u32.to_le_bytes());
-        e.extend_from_slice(&LOAD.to_le_bytes()); // e_entry
-        e.extend_from_slice(&64u64.to_le_bytes()); // e_phoff
-        e.extend_from_slice(&0u64.to_le_bytes()); // e_shoff
-        e.extend_from_slice(&0u32.to_le_bytes()); // e_flags
-        for v in [64u16, 56, 2, 64, 0, 0] {
-            // ehsize, phentsize, phnum, shentsize, shnum, shstrndx
-            e.extend_from_slice(&v.to_le_bytes());
-        }
-        let note_len = 12 + 4 + 4;
-        let phdr =
-            |e: &mut Vec<u8>, ty: u32, flags: u32, off: u64, addr: u64, len: u64, align: u64| {
-                e.extend_from_slice(&ty.to_le_bytes());
-                e.extend_from_slice(&flags.to_le_bytes());
-                for v in [off, addr, addr, len, len, align] {
-                    e.extend_from_slice(&v.to_le_bytes());
-                }
-            };
-        phdr(&mut e, 1, 5, CODE_OFF, LOAD, code.len() as u64, 0x1000); // PT_LOAD
-        phdr(&mut e, 4, 4, NOTE_OFF, 0, note_len, 4); // PT_NOTE
-                                                      // XEN_ELFNOTE_PHYS32_ENTRY (18), name "Xen", the 32-bit entry.
-        for v in [4u32, 4, 18] {
-            e.extend_from_slice(&v.to_le_bytes());
-        }
-        e.extend_from_slice(b"Xen\0");
-        e.extend_from_slice(&(LOAD as u32).to_le_bytes());
-        e.resize(CODE_OFF as usize, 0);
-        e.extend_from_slice(&code);
-        std::fs::write(self.path("vmlinux"), e).unwrap();
+        common::halting_kernel(&self.path("vmlinux"));
         self.s("vmlinux")
     }
 
