@@ -38,7 +38,8 @@ timeout_s=${SANDBOX_TIMEOUT:-600}
 mkdir -p "$CACHE/logs" "$CACHE/run"
 log=${SANDBOX_LOG:-$CACHE/logs/l1-$(date +%Y%m%d-%H%M%S)-$$.log}
 # Keep the 30 newest logs.
-ls -1t "$CACHE/logs/"*.log 2>/dev/null | tail -n +30 | while IFS= read -r old; do rm -f "$old"; done
+# (`ls` fails when there is no log yet: a fresh cache must not end the script.)
+{ ls -1t "$CACHE/logs/"*.log 2>/dev/null || true; } | tail -n +30 | while IFS= read -r old; do rm -f "$old"; done
 "$SANDBOX_SCRIPTS/build-l1.sh" >/dev/null
 
 t_build=$(now)
