@@ -193,7 +193,7 @@ fn io_gone(e: io::Error) -> ReadError {
 }
 
 /// Reads one request; `buf` keeps bytes of the next one.
-fn read_request(stream: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Request, ReadError> {
+fn read_request(stream: &mut impl Read, buf: &mut Vec<u8>) -> Result<Request, ReadError> {
     let mut chunk = [0u8; 8192];
     let (head_len, method, path, content_length, close) = loop {
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
@@ -282,6 +282,19 @@ fn read_request(stream: &mut UnixStream, buf: &mut Vec<u8>) -> Result<Request, R
     })
 }
 
+/// Parses the first request in `input` and routes it, as a connection
+/// does: the action, the error a client would get, or `None` when the
+/// input ends before a whole request (the fuzz target's entry).
+pub fn parse_and_route(input: &[u8]) -> Option<Result<super::ApiRequest, ApiError>> {
+    let mut cursor = io::Cursor::new(input);
+    let mut buf = Vec::new();
+    match read_request(&mut cursor, &mut buf) {
+        Ok(req) => Some(route(&req.method, &req.path, &req.body)),
+        Err(ReadError::Bad(e)) => Some(Err(e)),
+        Err(ReadError::Gone) => None,
+    }
+}
+
 fn reason(status: u16) -> &'static str {
     match status {
         200 => "OK",
@@ -354,5 +367,37 @@ fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicU
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::ApiRequest;
+
+    #[test]
+    fn requests_from_bytes() {
+        let ok = parse_and_route(b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!(ok, Some(Ok(ApiRequest::VmmPing)));
+        let body =
+            b"PUT /api/v1/vm.pmem-flush HTTP/1.1\r\nContent-Length: 11\r\n\r\n{\"id\":\"p\"}";
+        // One byte of the body missing: not a whole request.
+        assert_eq!(parse_and_route(body), None);
+        let mut whole = body.to_vec();
+        whole.push(b' ');
+        assert!(matches!(
+            parse_and_route(&whole),
+            Some(Ok(ApiRequest::PmemFlush(_)))
+        ));
+        let status = |b: &[u8]| parse_and_route(b).unwrap().unwrap_err().status;
+        assert_eq!(
+            status(b"PUT /api/v1/vm.boot HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n"),
+            413
+        );
+        assert_eq!(status(b"\x00\x01 nonsense\r\n\r\n"), 400);
+        assert_eq!(
+            status(b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"),
+            400
+        );
     }
 }

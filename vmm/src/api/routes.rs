@@ -149,4 +149,43 @@ mod tests {
             400
         );
     }
+
+    /// The served routes are exactly the ones `docs/openapi.yaml`
+    /// describes (paths under the server URL `http://localhost/api/v1`).
+    #[test]
+    fn routes_match_the_openapi_file() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/openapi.yaml");
+        let yaml = std::fs::read_to_string(path).expect("docs/openapi.yaml");
+        assert!(yaml.contains("url: http://localhost/api/v1"), "server URL");
+        let mut documented = Vec::new();
+        let mut current: Option<String> = None;
+        let mut in_paths = false;
+        for line in yaml.lines().filter(|l| !l.trim().is_empty()) {
+            if !line.starts_with(' ') {
+                in_paths = line.trim_end() == "paths:";
+                current = None;
+                continue;
+            }
+            if !in_paths {
+                continue;
+            }
+            if let Some(p) = line.strip_prefix("  /").and_then(|l| l.strip_suffix(':')) {
+                current = Some(p.to_owned());
+            } else if let (Some(p), Some(m)) = (
+                &current,
+                line.strip_prefix("    ").and_then(|l| l.strip_suffix(':')),
+            ) {
+                if ["get", "put", "post", "delete", "patch"].contains(&m) {
+                    documented.push((p.clone(), m.to_ascii_uppercase()));
+                }
+            }
+        }
+        let mut served: Vec<(String, String)> = ROUTES
+            .iter()
+            .map(|(a, m)| ((*a).to_owned(), (*m).to_owned()))
+            .collect();
+        documented.sort();
+        served.sort();
+        assert_eq!(documented, served);
+    }
 }

@@ -1,0 +1,449 @@
+//! [`Client`]: one connection per request on the API's Unix socket.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::http::{encode_request, read_response, Method, Response, ResponseError};
+
+/// How long a request may take, connect to last body byte, unless the
+/// caller says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Why a request failed.
+///
+/// [`Error::Server`] is the server's own answer (a 4xx or 5xx status) and
+/// keeps its error chain; every other variant is a local or transport
+/// failure and names the socket.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid endpoint `{endpoint}` (expected `vm.<action>` or `vmm.<action>`)")]
+    InvalidEndpoint { endpoint: String },
+    #[error("cannot encode the request body")]
+    Encode(#[source] serde_json::Error),
+    #[error("cannot connect to the API socket {}", socket.display())]
+    Connect {
+        socket: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("cannot send the request to the API socket {}", socket.display())]
+    Send {
+        socket: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("no complete response from the API socket {} within {timeout:?}", socket.display())]
+    Timeout { socket: PathBuf, timeout: Duration },
+    #[error("bad response from the API socket {}", socket.display())]
+    Response {
+        socket: PathBuf,
+        #[source]
+        source: ResponseError,
+    },
+    #[error("the response body is not UTF-8")]
+    NotUtf8,
+    #[error("{method} {endpoint}: the server answered {status} {reason}")]
+    Server {
+        method: Method,
+        endpoint: String,
+        status: u16,
+        reason: String,
+        /// The server's error chain, outermost first (the JSON array of
+        /// strings it sent; the raw body as one entry if it sent something
+        /// else; empty if it sent nothing).
+        chain: Vec<String>,
+    },
+}
+
+impl Error {
+    /// The lines to show a user, outermost first: the server's error chain
+    /// for [`Error::Server`] (or the status line when the server gave no
+    /// chain), otherwise this error and its sources.
+    ///
+    /// ```
+    /// let e = api_client::Error::Server {
+    ///     method: api_client::Method::Put,
+    ///     endpoint: "vm.boot".into(),
+    ///     status: 409,
+    ///     reason: "Conflict".into(),
+    ///     chain: vec!["cannot boot the VM".into(), "the VM is running".into()],
+    /// };
+    /// assert_eq!(e.chain(), ["cannot boot the VM", "the VM is running"]);
+    /// ```
+    pub fn chain(&self) -> Vec<String> {
+        match self {
+            Error::Server { chain, .. } if !chain.is_empty() => chain.clone(),
+            _ => {
+                let mut lines = vec![self.to_string()];
+                let mut cur = std::error::Error::source(self);
+                while let Some(e) = cur {
+                    lines.push(e.to_string());
+                    cur = e.source();
+                }
+                lines
+            }
+        }
+    }
+
+    /// The HTTP status for [`Error::Server`].
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            Error::Server { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// A client for one API socket. Each request opens its own connection, as
+/// upstream's `ch-remote` does.
+///
+/// ```no_run
+/// let client = api_client::Client::new("/tmp/ch.sock");
+/// if let Some(json) = client.get("vmm.ping")? {
+///     println!("{json}");
+/// }
+/// client.put("vm.boot")?;
+/// # Ok::<(), api_client::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct Client {
+    socket: PathBuf,
+    timeout: Option<Duration>,
+}
+
+impl Client {
+    /// A client for the socket at `socket`, with [`DEFAULT_TIMEOUT`].
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        Client {
+            socket: socket.into(),
+            timeout: Some(DEFAULT_TIMEOUT),
+        }
+    }
+
+    /// The same client with another time limit per request (`None`: wait
+    /// as long as it takes).
+    pub fn with_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The socket path.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// `GET /api/v1/<endpoint>`; the body of a 2xx answer, if it has one.
+    pub fn get(&self, endpoint: &str) -> Result<Option<String>, Error> {
+        self.call(Method::Get, endpoint, None)
+    }
+
+    /// `PUT /api/v1/<endpoint>` without a body.
+    pub fn put(&self, endpoint: &str) -> Result<Option<String>, Error> {
+        self.call(Method::Put, endpoint, None)
+    }
+
+    /// `PUT /api/v1/<endpoint>` with `body` serialized as JSON.
+    pub fn put_json<T: Serialize + ?Sized>(
+        &self,
+        endpoint: &str,
+        body: &T,
+    ) -> Result<Option<String>, Error> {
+        let body = serde_json::to_vec(body).map_err(Error::Encode)?;
+        self.call(Method::Put, endpoint, Some(&body))
+    }
+
+    /// Sends one request and checks the status: a 2xx answer gives its body
+    /// (`None` when empty), anything else is [`Error::Server`] with the
+    /// server's error chain.
+    pub fn call(
+        &self,
+        method: Method,
+        endpoint: &str,
+        body: Option<&[u8]>,
+    ) -> Result<Option<String>, Error> {
+        let resp = self.request(method, endpoint, body)?;
+        if !resp.is_success() {
+            return Err(Error::Server {
+                method,
+                endpoint: endpoint.to_owned(),
+                status: resp.status,
+                reason: resp.reason,
+                chain: error_chain(&resp.body),
+            });
+        }
+        if resp.body.is_empty() {
+            return Ok(None);
+        }
+        String::from_utf8(resp.body)
+            .map(Some)
+            .map_err(|_| Error::NotUtf8)
+    }
+
+    /// Sends one request and returns the response whatever its status.
+    pub fn request(
+        &self,
+        method: Method,
+        endpoint: &str,
+        body: Option<&[u8]>,
+    ) -> Result<Response, Error> {
+        if endpoint.is_empty()
+            || !endpoint
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'/' && b != b'?' && b != b'#')
+        {
+            return Err(Error::InvalidEndpoint {
+                endpoint: endpoint.to_owned(),
+            });
+        }
+        let deadline = self.timeout.map(|t| Instant::now() + t);
+        let mut stream = UnixStream::connect(&self.socket).map_err(|source| Error::Connect {
+            socket: self.socket.clone(),
+            source,
+        })?;
+        let request = encode_request(method, endpoint, body);
+        let sent = set_write_deadline(&stream, deadline).and_then(|()| stream.write_all(&request));
+        let mut reader = DeadlineReader {
+            stream: &stream,
+            deadline,
+        };
+        match sent {
+            Ok(()) => read_response(&mut reader).map_err(|e| self.read_error(e)),
+            Err(e) if is_timeout(&e) => Err(self.timeout_error()),
+            Err(source) => {
+                // A server that refuses a request (413 for a huge body)
+                // may answer and close before reading it all: its answer
+                // says more than the broken pipe.
+                read_response(&mut reader).map_err(|_| Error::Send {
+                    socket: self.socket.clone(),
+                    source,
+                })
+            }
+        }
+    }
+
+    fn read_error(&self, e: ResponseError) -> Error {
+        match e {
+            ResponseError::Io(ref io) if is_timeout(io) => self.timeout_error(),
+            source => Error::Response {
+                socket: self.socket.clone(),
+                source,
+            },
+        }
+    }
+
+    fn timeout_error(&self) -> Error {
+        Error::Timeout {
+            socket: self.socket.clone(),
+            timeout: self.timeout.unwrap_or_default(),
+        }
+    }
+}
+
+/// The server's error chain from an error body: a JSON array of strings;
+/// anything else non-empty becomes one entry.
+fn error_chain(body: &[u8]) -> Vec<String> {
+    if let Ok(chain) = serde_json::from_slice::<Vec<String>>(body) {
+        return chain;
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.is_empty() {
+        Vec::new()
+    } else {
+        vec![text.to_owned()]
+    }
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// What is left until `deadline`; an error once it has passed (a zero
+/// socket timeout would mean "no timeout").
+fn remaining(deadline: Option<Instant>) -> io::Result<Option<Duration>> {
+    match deadline {
+        None => Ok(None),
+        Some(d) => match d.checked_duration_since(Instant::now()) {
+            Some(left) if !left.is_zero() => Ok(Some(left)),
+            _ => Err(io::ErrorKind::TimedOut.into()),
+        },
+    }
+}
+
+fn set_write_deadline(stream: &UnixStream, deadline: Option<Instant>) -> io::Result<()> {
+    stream.set_write_timeout(remaining(deadline)?)
+}
+
+/// Reads from the stream with the time left until the deadline, so a
+/// server that trickles bytes cannot stretch a request past it.
+struct DeadlineReader<'a> {
+    stream: &'a UnixStream,
+    deadline: Option<Instant>,
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(remaining(self.deadline)?)?;
+        self.stream.read(buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+    use std::thread;
+
+    /// A server thread that reads one request head and answers with
+    /// `answer` (or nothing, holding the connection, when `None`).
+    fn serve_once(answer: Option<&'static [u8]>) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 1024];
+            while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = conn.read(&mut chunk).unwrap();
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            match answer {
+                Some(a) => conn.write_all(a).unwrap(),
+                None => thread::sleep(Duration::from_secs(5)),
+            }
+        });
+        (dir, path)
+    }
+
+    #[test]
+    fn success_and_no_content() {
+        let (_dir, path) = serve_once(Some(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"));
+        assert_eq!(
+            Client::new(&path).get("vmm.ping").unwrap().as_deref(),
+            Some("{}")
+        );
+        let (_dir, path) = serve_once(Some(b"HTTP/1.1 204 No Content\r\n\r\n"));
+        assert_eq!(Client::new(&path).put("vm.boot").unwrap(), None);
+    }
+
+    #[test]
+    fn server_error_keeps_the_chain() {
+        let (_dir, path) = serve_once(Some(
+            b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n\
+              [\"cannot boot the VM\",\"already running\"]",
+        ));
+        let e = Client::new(&path).put("vm.boot").unwrap_err();
+        assert_eq!(e.status(), Some(409));
+        assert_eq!(e.chain(), ["cannot boot the VM", "already running"]);
+        assert_eq!(
+            e.to_string(),
+            "PUT vm.boot: the server answered 409 Conflict"
+        );
+    }
+
+    #[test]
+    fn error_chain_fallbacks() {
+        assert_eq!(error_chain(br#"["a","b"]"#), ["a", "b"]);
+        assert_eq!(error_chain(b"plain text\n"), ["plain text"]);
+        assert_eq!(error_chain(br#"{"error":"x"}"#), [r#"{"error":"x"}"#]);
+        assert!(error_chain(b"").is_empty());
+        let e = Error::Server {
+            method: Method::Get,
+            endpoint: "vm.info".into(),
+            status: 404,
+            reason: "Not Found".into(),
+            chain: vec![],
+        };
+        assert_eq!(
+            e.chain(),
+            ["GET vm.info: the server answered 404 Not Found"]
+        );
+    }
+
+    #[test]
+    fn connect_error_names_the_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing.sock");
+        let e = Client::new(&path).get("vmm.ping").unwrap_err();
+        assert!(matches!(e, Error::Connect { .. }), "{e:?}");
+        let chain = e.chain();
+        assert!(chain[0].contains(&*path.to_string_lossy()), "{chain:?}");
+        assert_eq!(chain.len(), 2, "{chain:?}");
+    }
+
+    #[test]
+    fn silent_server_times_out() {
+        let (_dir, path) = serve_once(None);
+        let started = Instant::now();
+        let e = Client::new(&path)
+            .with_timeout(Some(Duration::from_millis(200)))
+            .get("vm.info")
+            .unwrap_err();
+        assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+        assert!(started.elapsed() < Duration::from_secs(4));
+    }
+
+    #[test]
+    fn truncated_answer_is_an_error() {
+        let (_dir, path) = serve_once(Some(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{\"a\""));
+        let e = Client::new(&path).get("vm.info").unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Response {
+                    source: ResponseError::TruncatedBody {
+                        expected: 9,
+                        got: 4
+                    },
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn refusal_before_the_body_is_read_is_reported() {
+        // The server reads only the head, answers 413 and closes while the
+        // client is still writing an 8 MiB body: the client must show the
+        // 413, not the broken pipe.
+        let (_dir, path) = serve_once(Some(
+            b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 31\r\n\r\n[\"request body over 4194304 B\"]",
+        ));
+        let body = vec![b' '; 8 << 20];
+        let e = Client::new(&path)
+            .call(Method::Put, "vm.create", Some(&body))
+            .unwrap_err();
+        assert_eq!(e.status(), Some(413), "{e:?}");
+        assert_eq!(e.chain(), ["request body over 4194304 B"]);
+    }
+
+    #[test]
+    fn endpoints_cannot_inject() {
+        let client = Client::new("/nonexistent.sock");
+        for bad in [
+            "",
+            "vm.boot HTTP/1.1\r\nX: y",
+            "../vm.boot",
+            "vm.boot?x",
+            "vm boot",
+        ] {
+            assert!(
+                matches!(client.put(bad), Err(Error::InvalidEndpoint { .. })),
+                "{bad:?}"
+            );
+        }
+    }
+}
