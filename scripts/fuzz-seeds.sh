@@ -150,8 +150,57 @@ for n in 64 256 1024; do
     head -c "$n" /dev/urandom >"$ops_dir/seed-rand$n"
 done
 
+# api_http: real requests as ch-remote and curl send them.
+api_dir="$root/fuzz/corpus/api_http"
+mkdir -p "$api_dir"
+rm -f "$api_dir"/seed-*
+req() { # NAME METHOD ACTION [BODY]
+    local body=${4:-}
+    printf '%s /api/v1/%s HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s' \
+        "$2" "$3" "${#body}" "$body" >"$api_dir/seed-$1"
+}
+req ping GET vmm.ping
+req boot PUT vm.boot
+req info GET vm.info
+req create PUT vm.create '{"payload":{"kernel":"/k","cmdline":"console=ttyS0"},"cpus":{"boot_vcpus":2,"max_vcpus":2},"memory":{"size":268435456},"pmem":[{"file":"/a.pcow","id":"p0","discard_writes":false}],"serial":{"mode":"Tty"},"console":{"mode":"Off"}}'
+req add-pmem PUT vm.add-pmem '{"file":"/b.img","size":2097152,"id":"p1"}'
+req snapshot PUT vm.pmem-snapshot '{"id":"p0","tag":"t1"}'
+req overlay PUT vm.pmem-overlay '{"id":"p0","file":"/ov.pcow"}'
+req rollback PUT vm.pmem-rollback '{"id":"p0","snapshot":"t1","reset":true}'
+req snapshot-delete PUT vm.pmem-snapshot-delete '{"id":"p0","snapshot":"1"}'
+req flush PUT vm.pmem-flush '{"id":"p0"}'
+
+# options: values of each option kind.
+opt_dir="$root/fuzz/corpus/options"
+mkdir -p "$opt_dir"
+rm -f "$opt_dir"/seed-*
+i=0
+for v in 'file=/a.pcow,size=64M,id=p0,discard_writes=on' 'boot=2,max=2' 'size=1G' 'tty' \
+    'file=/tmp/serial.log' 'path=/tmp/ch.sock' '--kernel /k --pmem file=/a file=/b --cpus boot=2 -vv'; do
+    printf '%s' "$v" >"$opt_dir/seed-$i"
+    i=$((i + 1))
+done
+
+# pmem_queue: one FLUSH chain (queue size 16, descriptors at 0x0, avail ring
+# at 0x1000, used ring at 0x2000, request at 0x3000, status at 0x3100).
+q_dir="$root/fuzz/corpus/pmem_queue"
+mkdir -p "$q_dir"
+rm -f "$q_dir"/seed-*
+python3 - "$q_dir/seed-flush" <<'PY'
+import struct, sys
+m = bytearray(0x3200)
+m[0:5] = bytes([4, 0, 0x10, 0x20, 0])  # size 1<<4, desc 0x0, avail 0x1000, used 0x2000
+# The first bytes double as the selectors: the descriptors start at 16.
+m[0] = 4; m[1] = 0; m[2] = 0x10; m[3] = 0x20
+struct.pack_into('<QIHH', m, 0x10 * 0, 0, 0, 0, 0)
+struct.pack_into('<QIHH', m, 16, 0x3000, 4, 1, 2)     # desc 1: request, NEXT -> 2
+struct.pack_into('<QIHH', m, 32, 0x3100, 4, 2, 0)     # desc 2: status, WRITE
+struct.pack_into('<HHH', m, 0x1000, 0, 1, 1)          # avail: flags, idx 1, ring[0] = 1
+open(sys.argv[1], 'wb').write(m)
+PY
+
 cd "$root"
-for t in image_open image_chain image_ops; do
+for t in image_open image_chain image_ops api_http options pmem_queue; do
     printf '%-12s %3d seeds, %7d bytes\n' "$t" \
         "$(find "fuzz/corpus/$t" -name 'seed-*' | wc -l)" \
         "$(cat fuzz/corpus/$t/seed-* | wc -c)"

@@ -88,7 +88,7 @@ pub struct CommandLine {
 pub enum CliError {
     #[error(transparent)]
     Option(#[from] OptionError),
-    #[error("unknown argument `{0}` (see --help)")]
+    #[error("unknown argument `{}` (see --help)", super::option_parser::esc(.0))]
     Unknown(String),
     #[error("--{0} needs a value (syntax: --{0} {1})")]
     MissingValue(&'static str, &'static str),

@@ -19,7 +19,7 @@ pub enum ParseError {
     #[error("empty value")]
     Empty,
     /// A key the option does not know.
-    #[error("unknown key `{key}` (accepted keys: {accepted})")]
+    #[error("unknown key `{}` (accepted keys: {accepted})", esc(.key))]
     UnknownKey {
         /// The key as given.
         key: String,
@@ -27,13 +27,13 @@ pub enum ParseError {
         accepted: String,
     },
     /// A key that needs `=value` was given without one.
-    #[error("`{key}` needs a value ({key}=...)")]
+    #[error("`{0}` needs a value ({0}=...)", esc(.key))]
     MissingValue {
         /// The key.
         key: String,
     },
     /// A valueless key (`off`, `tty`) was given a value.
-    #[error("`{key}` takes no value, got `{value}`")]
+    #[error("`{}` takes no value, got `{}`", esc(.key), esc(.value))]
     UnexpectedValue {
         /// The key.
         key: String,
@@ -41,16 +41,16 @@ pub enum ParseError {
         value: String,
     },
     /// The same key twice.
-    #[error("`{key}` given twice")]
+    #[error("`{}` given twice", esc(.key))]
     Duplicate {
         /// The key.
         key: String,
     },
     /// Unbalanced `[ ]` or `"`.
-    #[error("unbalanced brackets or quotes in `{0}`")]
+    #[error("unbalanced brackets or quotes in `{}`", esc(.0))]
     Unbalanced(String),
     /// A value that does not convert.
-    #[error("invalid value `{value}` for `{key}`: expected {expected}")]
+    #[error("invalid value `{}` for `{}`: expected {expected}", esc(.value), esc(.key))]
     InvalidValue {
         /// The key.
         key: String,
@@ -60,19 +60,25 @@ pub enum ParseError {
         expected: String,
     },
     /// A required key is absent.
-    #[error("`{key}` is required")]
+    #[error("`{}` is required", esc(.key))]
     Missing {
         /// The key.
         key: String,
     },
     /// Keys that exclude each other.
-    #[error("`{first}` and `{second}` exclude each other")]
+    #[error("`{}` and `{}` exclude each other", esc(.first), esc(.second))]
     Conflict {
         /// The first key found.
         first: String,
         /// The other key.
         second: String,
     },
+}
+
+/// `s` with control characters (and quotes) escaped, so that an error
+/// naming what the user gave stays one line.
+pub fn esc(s: &str) -> String {
+    s.escape_debug().to_string()
 }
 
 /// Splits `s` at commas that are not inside `[...]` or `"..."`.

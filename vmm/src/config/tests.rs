@@ -696,3 +696,17 @@ fn add_pmem_validates_the_whole_config() {
     );
     assert_eq!(v, before);
 }
+
+/// Fuzz finding (fuzz target `options`, fixed): an error that echoed a key
+/// with newlines in it was several lines long.
+#[test]
+fn errors_echoing_control_characters_stay_one_line() {
+    let e = PmemConfig::parse("path5/tmp/ch\n\n\n\n.sock").unwrap_err();
+    let msg = e.to_string();
+    assert!(!msg.contains('\n'), "{msg}");
+    assert!(msg.contains(r"path5/tmp/ch\n\n\n\n.sock"), "{msg}");
+    let e = CommandLine::parse(["--kernel", "k", "--bad\nflag"]).unwrap_err();
+    assert!(!e.to_string().contains('\n'), "{e}");
+    let e = CpusConfig::parse("boot=x\r1").unwrap_err();
+    assert!(!e.to_string().contains('\r'), "{e}");
+}
