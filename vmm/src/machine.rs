@@ -319,6 +319,7 @@ impl Machine {
             },
         )
         .map_err(MachineError::Boot)?;
+        crate::boot::write_reset_stub(vm.memory()).map_err(MachineError::Boot)?;
         // pmem regions and their memslots, 2 MiB aligned above RAM.
         let mut regions = Vec::new();
         for p in pmem {

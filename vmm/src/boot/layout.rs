@@ -19,7 +19,8 @@
 //! 0x0002_0000  CMDLINE_START      kernel command line (NUL terminated)
 //! 0x0009_fc00  EBDA_START         reserved up to 1 MiB (EBDA, VGA, BIOS)
 //! 0x000e_0000  ACPI_RSDP_START    RSDP, then the other ACPI tables up to
-//! 0x0010_0000                     ACPI_TABLES_END (inside the reserved area)
+//! 0x000f_fff0  RESET_VECTOR       ACPI_TABLES_END; the reset stub (a reboot
+//!                                 through the BIOS lands here)
 //! 0x0010_0000  HIGH_RAM_START     bzImage protected-mode kernel load address
 //!   ...        RAM                  (ELF kernels load at their own addresses)
 //!   ...        initramfs          at the top of RAM below the hole, 4 KiB
@@ -91,7 +92,11 @@ pub const EBDA_START: u64 = 0x9fc00;
 /// The ACPI RSDP (in the 0xe0000..0x100000 range the kernel also scans).
 pub const ACPI_RSDP_START: u64 = 0xe0000;
 /// End (exclusive) of the room for the ACPI tables, which follow the RSDP.
-pub const ACPI_TABLES_END: u64 = 0x10_0000;
+pub const ACPI_TABLES_END: u64 = RESET_VECTOR;
+/// The x86 reset vector (F000:FFF0, 16 bytes below 1 MiB): a guest that
+/// reboots "through the BIOS" jumps here in real mode; the VMM puts a
+/// stub there ([`crate::boot::RESET_STUB`]).
+pub const RESET_VECTOR: u64 = 0xf_fff0;
 
 /// First RAM above 1 MiB; a bzImage's protected-mode kernel loads here.
 pub const HIGH_RAM_START: u64 = 0x10_0000;

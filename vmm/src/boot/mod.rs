@@ -22,6 +22,8 @@ pub mod linux;
 
 use std::path::PathBuf;
 
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+
 /// Errors of kernel, initramfs and command line loading.
 #[allow(missing_docs)] // the messages document the variants
 #[derive(Debug, thiserror::Error)]
@@ -80,4 +82,48 @@ pub enum BootError {
     },
     #[error("{entries} memory map entries, at most {max} fit")]
     TooManyE820Entries { entries: usize, max: usize },
+}
+
+/// The code at [`layout::RESET_VECTOR`]: `mov al, 0xfe; out 0x64, al;
+/// hlt; jmp hlt`. There is no BIOS, and Linux on hardware-reduced ACPI
+/// without EFI reboots by default through the BIOS (a real-mode jump to
+/// the reset vector), which would run zeroed RAM forever. The stub pulses
+/// the i8042 reset line, which the VMM turns into a reset.
+pub const RESET_STUB: [u8; 7] = [0xb0, 0xfe, 0xe6, 0x64, 0xf4, 0xeb, 0xfd];
+
+/// Writes [`RESET_STUB`] at the reset vector (in the reserved area below
+/// 1 MiB, which the e820 map keeps from the guest's allocator).
+pub fn write_reset_stub<M: GuestMemoryBackend>(mem: &M) -> Result<(), BootError> {
+    mem.write_slice(&RESET_STUB, GuestAddress(layout::RESET_VECTOR))
+        .map_err(|source| BootError::GuestMemory {
+            addr: layout::RESET_VECTOR,
+            source,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::GuestMemoryMmap;
+
+    #[test]
+    fn reset_stub_sits_in_reserved_memory_after_the_acpi_tables() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 2 << 20)]).unwrap();
+        write_reset_stub(&mem).unwrap();
+        let mut b = [0u8; 7];
+        mem.read_slice(&mut b, GuestAddress(layout::RESET_VECTOR))
+            .unwrap();
+        assert_eq!(b, RESET_STUB);
+        assert!(layout::RESET_VECTOR + RESET_STUB.len() as u64 <= 1 << 20);
+        assert!(layout::ACPI_TABLES_END <= layout::RESET_VECTOR);
+        let reserved = layout::e820_map(256 << 20).into_iter().any(|e| {
+            e.kind == layout::E820Kind::Reserved
+                && e.addr <= layout::RESET_VECTOR
+                && layout::RESET_VECTOR + 16 <= e.addr + e.size
+        });
+        assert!(
+            reserved,
+            "the reset vector must be reserved in the e820 map"
+        );
+    }
 }
