@@ -91,6 +91,10 @@ pub enum BootError {
 /// the i8042 reset line, which the VMM turns into a reset.
 pub const RESET_STUB: [u8; 7] = [0xb0, 0xfe, 0xe6, 0x64, 0xf4, 0xeb, 0xfd];
 
+// The stub fits below 1 MiB, after the ACPI tables.
+const _: () = assert!(layout::RESET_VECTOR + RESET_STUB.len() as u64 <= 1 << 20);
+const _: () = assert!(layout::ACPI_TABLES_END <= layout::RESET_VECTOR);
+
 /// Writes [`RESET_STUB`] at the reset vector (in the reserved area below
 /// 1 MiB, which the e820 map keeps from the guest's allocator).
 pub fn write_reset_stub<M: GuestMemoryBackend>(mem: &M) -> Result<(), BootError> {
@@ -114,8 +118,6 @@ mod tests {
         mem.read_slice(&mut b, GuestAddress(layout::RESET_VECTOR))
             .unwrap();
         assert_eq!(b, RESET_STUB);
-        assert!(layout::RESET_VECTOR + RESET_STUB.len() as u64 <= 1 << 20);
-        assert!(layout::ACPI_TABLES_END <= layout::RESET_VECTOR);
         let reserved = layout::e820_map(256 << 20).into_iter().any(|e| {
             e.kind == layout::E820Kind::Reserved
                 && e.addr <= layout::RESET_VECTOR
