@@ -6,9 +6,12 @@
 # What to do comes from the kernel command line:
 #   l2.scenario=NAME   s1write s1read | s2v1 s2change s2verify |
 #                      s3ovl s3check (+ l2.tag=T) | s4root |
-#                      s5loop s5verify (+ l2.n=N) | s6raw s6discard
+#                      s5loop s5verify (+ l2.n=N) | s6raw s6discard |
+#                      s7reboot (+ l2.tag=T) s7loop s7verify (+ l2.n=N) |
+#                      s8two | bench (nothing: vmm-bench.sh)
 # Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
-# SYNCED n (s5loop). Exit status 0 when the guest-side checks passed.
+# SYNCED n (s5loop, s7loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
+# GUEST-PMEM-SIZES (s8two). Exit status 0 when the guest-side checks passed.
 # The file contents are generated (gen TEXT BYTES), so that L1 and the host
 # can regenerate them: keep gen in step with vmm-scenarios.sh.
 M=/mnt/pmem
@@ -161,24 +164,26 @@ case $scenario in
         same /var/s4-written.txt "s4 written on root" 20000 || fail "cannot read back /var/s4-written.txt"
         ok "root on /dev/pmem0 (dax), wrote /var/s4-written.txt"
         ;;
-    s5loop)
+    s5loop | s7loop)
         need_dax
+        p=${scenario%loop}
         i=1
         while [ $i -le 400 ]; do
-            gen "s5 file $i" "$(s5size $i)" >$M/f$i
+            gen "$p file $i" "$(s5size $i)" >$M/f$i
             sync
             echo "SYNCED $i"
             i=$((i + 1))
         done
-        fail "not killed after 400 synced files"
+        fail "not stopped after 400 synced files"
         ;;
-    s5verify)
+    s5verify | s7verify)
         need_dax
         [ "$n" -gt 0 ] || fail "l2.n missing"
+        p=${scenario%verify}
         bad=0
         i=1
         while [ $i -le "$n" ]; do
-            if ! same $M/f$i "s5 file $i" "$(s5size $i)"; then
+            if ! same $M/f$i "$p file $i" "$(s5size $i)"; then
                 echo "GUEST: f$i lost or wrong ($(ls -l $M/f$i 2>&1))"
                 bad=$((bad + 1))
             fi
@@ -207,6 +212,49 @@ case $scenario in
         same $M/discard.bin "s6 discard" 500000 || fail "discard.bin not read back after umount/mount"
         ok "wrote, remounted, read back"
         ;;
+    s7reboot)
+        # Same command line both boots: the first boot's file tells them apart
+        # (lost, the guest would reboot forever: vmm-l1.sh stops it after 2).
+        need_dax
+        [ -n "$tag" ] || fail "no l2.tag"
+        if [ -f $M/boot1.txt ]; then
+            same $M/boot1.txt "s7 boot1 $tag" 30000 || fail "boot 2: boot1.txt wrong"
+            gen "s7 boot2 $tag" 20000 >$M/boot2.txt
+            sync
+            ok "boot 2: saw boot 1's file ($(grep -o 'reboot=[^ ]*' /proc/cmdline || echo 'default reboot'))"
+        else
+            gen "s7 boot1 $tag" 30000 >$M/boot1.txt
+            sync
+            echo "GUEST-REBOOTING $(grep -o 'reboot=[^ ]*' /proc/cmdline || echo 'default reboot')"
+            reboot -f
+            sleep 20
+            fail "reboot -f returned"
+        fi
+        ;;
+    s8two)
+        need_dax
+        echo "GUEST-CPUS n=$(grep -c '^processor' /proc/cpuinfo) online=$(cat /sys/devices/system/cpu/online)"
+        i=0
+        while [ ! -b /dev/pmem1 ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+        [ -b /dev/pmem1 ] || fail "no /dev/pmem1 ($(ls /sys/block | tr '\n' ' '))"
+        echo "GUEST-PMEM-SIZES pmem0=$(($(cat /sys/block/pmem0/size) * 512)) pmem1=$(($(cat /sys/block/pmem1/size) * 512))"
+        M1=/mnt/pmem1
+        mkdir -p $M1
+        mount -t ext4 -o dax /dev/pmem1 $M1 || fail "mount -t ext4 -o dax /dev/pmem1"
+        grep -q " $M1 ext4 .*dax" /proc/mounts || fail "/dev/pmem1 not mounted with dax: $(grep pmem1 /proc/mounts)"
+        # Both devices written at once (one writer per vCPU, if both online).
+        gen "s8 pcow" 400000 >$M/s8-pcow.bin &
+        gen "s8 raw" 300000 >$M1/s8-raw.bin &
+        wait
+        echo S8-PCOW-MARKER-c27e05 >$M/pcow-marker.txt
+        echo S8-RAW-MARKER-3f6a91 >$M1/raw-marker.txt
+        sync
+        same $M/s8-pcow.bin "s8 pcow" 400000 || fail "pmem0: s8-pcow.bin not read back"
+        same $M1/s8-raw.bin "s8 raw" 300000 || fail "pmem1: s8-raw.bin not read back"
+        umount $M1 || fail "umount /dev/pmem1"
+        ok "wrote to both devices"
+        ;;
+    bench) ;;
     *)
         fail "unknown l2.scenario '$scenario'"
         ;;

@@ -1,10 +1,11 @@
 # shellcheck shell=sh disable=SC2086,SC2317
 # L1 side of scripts/sandbox/vmm-scenarios.sh: the payload's run.sh (busybox
-# sh, run by L1's init in /payload). Runs the six VMM scenarios one after the
+# sh, run by L1's init in /payload). Runs the VMM scenarios one after the
 # other, each VMM run under `timeout -s KILL`, and leaves the images in /out
 # for the host-side checks.
 #
-# /payload holds: vmm.conf (VMM=ch|qemu, SIZE and SIZE6 (scenario 6) in bytes,
+# /payload holds: vmm.conf (VMM=ch|qemu, SIZE, SIZE6 (scenario 6) and SIZE8
+# (scenario 8's raw device) in bytes,
 # BOOT_TIMEOUT=s, SCENARIOS),
 # cloud-hypervisor (VMM=ch) or qemu/ (VMM=qemu, the stand-in: raw images
 # only, see img_* below), pcow-img, l2/{vmlinuz,initramfs.cpio}, img/*.
@@ -19,32 +20,53 @@ KCMD="console=ttyS0 panic=-1 quiet"
 L=/tmp/logs
 
 # ---- the VMM ------------------------------------------------------------------
-# vmm_exec PMEM_SPEC EXTRA_CMDLINE: exec the VMM (Cloud Hypervisor's options;
-# the QEMU stand-in translates them).
+# vmm_exec PMEM_SPECS EXTRA_CMDLINE [OPTS]: exec the VMM (Cloud Hypervisor's
+# options; the QEMU stand-in translates them). PMEM_SPECS: one --pmem value or
+# several separated by spaces (one device each, in order). OPTS, words:
+# cpus=N (--cpus boot=N, default 1), v (-v: info log lines on stderr),
+# reboot (the QEMU stand-in reboots in place instead of exiting, as ours does).
 vmm_exec() {
-    if [ "$VMM" = ch ]; then
-        exec ./cloud-hypervisor --kernel l2/vmlinuz --initramfs l2/initramfs.cpio \
-            --cmdline "$KCMD $2" --cpus boot=1 --memory size=256M \
-            --pmem "$1" --serial tty --console off
-    fi
-    file=
-    size=
-    share=on
-    IFS=,
-    for kv in $1; do
-        case $kv in
-            file=*) file=${kv#file=} ;;
-            size=*) size=${kv#size=} ;;
-            discard_writes=on) share=off ;;
+    cpus=1
+    verbose=
+    noreboot=-no-reboot
+    for o in ${3:-}; do
+        case $o in
+            cpus=*) cpus=${o#cpus=} ;;
+            v) verbose=-v ;;
+            reboot) noreboot= ;;
         esac
     done
-    unset IFS
-    [ -n "$size" ] || size=$(stat -c %s "$file")
+    pm=$1
+    cmd=$2
+    set --
+    if [ "$VMM" = ch ]; then
+        for p in $pm; do set -- "$@" --pmem "$p"; done
+        exec ./cloud-hypervisor $verbose --kernel l2/vmlinuz --initramfs l2/initramfs.cpio \
+            --cmdline "$KCMD $cmd" --cpus boot=$cpus --memory size=256M \
+            "$@" --serial tty --console off
+    fi
+    k=0
+    for p in $pm; do
+        file=
+        size=
+        share=on
+        IFS=,
+        for kv in $p; do
+            case $kv in
+                file=*) file=${kv#file=} ;;
+                size=*) size=${kv#size=} ;;
+                discard_writes=on) share=off ;;
+            esac
+        done
+        unset IFS
+        [ -n "$size" ] || size=$(stat -c %s "$file")
+        set -- "$@" -object "memory-backend-file,id=pm$k,share=$share,mem-path=$file,size=$size" \
+            -device virtio-pmem-pci,memdev=pm$k,id=pmem$k
+        k=$((k + 1))
+    done
     exec ./qemu/qemu-system-x86_64 -L ./qemu/share -accel kvm -cpu host \
-        -m 256M,slots=2,maxmem=1G -smp 1 -nographic -nodefaults -serial stdio -no-reboot \
-        -kernel l2/vmlinuz -initrd l2/initramfs.cpio -append "$KCMD $2" \
-        -object "memory-backend-file,id=pm0,share=$share,mem-path=$file,size=$size" \
-        -device virtio-pmem-pci,memdev=pm0,id=pmem0
+        -m 256M,slots=$((k + 1)),maxmem=1G -smp $cpus -nographic -nodefaults -serial stdio $noreboot \
+        -kernel l2/vmlinuz -initrd l2/initramfs.cpio -append "$KCMD $cmd" "$@"
 }
 if [ "${1:-}" = __vmm ]; then
     shift
@@ -55,11 +77,12 @@ up() { cut -d' ' -f1 /proc/uptime; }
 since() { awk -v a="$1" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }'; }
 mkdir -p $L /out
 
-# boot NAME PMEM_SPEC EXTRA_CMDLINE: one VMM run, serial in $L/NAME.log;
-# sets vrc (the VMM's exit status; 137 after the timeout's SIGKILL).
+# boot NAME PMEM_SPECS EXTRA_CMDLINE [OPTS]: one VMM run (vmm_exec), serial
+# (and the VMM's stderr) in $L/NAME.log; sets vrc (the VMM's exit status; 137
+# after the timeout's SIGKILL).
 boot() {
     t=$(up)
-    timeout -s KILL "$BOOT_TIMEOUT" sh "$0" __vmm "$2" "$3" </dev/null >$L/$1.log 2>&1
+    timeout -s KILL "$BOOT_TIMEOUT" sh "$0" __vmm "$2" "$3" "${4:-}" </dev/null >$L/$1.log 2>&1
     vrc=$?
     s=$(since "$t")
     to=
@@ -92,6 +115,50 @@ pmem_line_ok() { # NAME BYTES
     return 1
 }
 sha() { sha256sum "$1" | cut -d' ' -f1; }
+
+# alive PID: the process exists and is not a zombie (kill -0 succeeds on a
+# zombie until the shell reaps it).
+alive() { [ -r /proc/$1/stat ] && [ "$(cut -d' ' -f3 /proc/$1/stat)" != Z ]; }
+# boot_watch NAME PMEM_SPECS EXTRA_CMDLINE OPTS MAX_BOOTS: as boot, but the VMM
+# runs in the background and is SIGKILLed as soon as its serial shows more
+# than MAX_BOOTS guest boots (L2-BOOTED): a guest that reboots forever (its
+# first boot's writes lost) fails at once instead of at the timeout; also
+# when a guest that said GUEST-REBOOTING has not booted again
+# REBOOT_STALL seconds (default 10) later (the reboot hung).
+boot_watch() {
+    t=$(up)
+    sh "$0" __vmm "$2" "$3" "$4" </dev/null >$L/$1.log 2>&1 &
+    pid=$!
+    to=
+    tr_=
+    while alive $pid; do
+        sleep 0.2
+        nb=$(grep -c L2-BOOTED $L/$1.log)
+        nr=$(grep -c GUEST-REBOOTING $L/$1.log)
+        if [ "$nb" -gt "$5" ]; then
+            to=" (SIGKILL: more than $5 guest boots)"
+        elif [ "$nr" -ge "$nb" ] && [ "$nr" -gt 0 ]; then
+            # A reboot is pending: since when?
+            [ -n "$tr_" ] || tr_=$(up)
+            awk -v a="$tr_" -v b="$(up)" -v s="${REBOOT_STALL:-10}" 'BEGIN { exit !(b - a > s) }' \
+                && to=" (SIGKILL: no new guest boot ${REBOOT_STALL:-10} s after GUEST-REBOOTING)"
+        else
+            tr_=
+        fi
+        awk -v a="$t" -v b="$(up)" -v s="$BOOT_TIMEOUT" 'BEGIN { exit !(b - a > s) }' && to=" TIMEOUT"
+        if [ -n "$to" ]; then
+            kill -9 $pid
+            break
+        fi
+    done
+    wait $pid
+    vrc=$?
+    echo "VMMSC-BOOT $1 exit=$vrc time=$(since "$t")s$to"
+    tr -d '\r' <$L/$1.log | sed "s/^/  L2[$1]| /"
+}
+# vmm_logged NAME TEXT: the VMM's -v log has TEXT (always true for the QEMU
+# stand-in, which has no such log).
+vmm_logged() { [ "$VMM" != ch ] || grep -qF "$2" $L/$1.log; }
 
 # ---- images -------------------------------------------------------------------
 # With our VMM the images are pcow and pcow-img does the offline work. The
@@ -282,6 +349,124 @@ sc6() {
     [ "$h0" = "$h1" ] || { why="discard_writes=on: the file changed (sha256 $h0 -> $h1)"; return 1; }
     ! grep -q S6-DISCARD-MARKER-9e2c47 $raw || { why="discard_writes=on: the guest's write reached the file"; return 1; }
     note="raw: write reached the file; discard_writes=on: read back in the guest, file byte-identical"
+}
+
+# sc7_reboot V: (a) `reboot -f` with the kernel's default method, (b) with
+# reboot=t (triple fault): one VMM process, two guest boots.
+sc7_reboot() {
+    v=$1
+    n=s7-reboot-$v
+    img=$(img_in s7$v) || { why="no image"; return 1; }
+    kc="l2.scenario=s7reboot l2.tag=$v"
+    [ $v = b ] && kc="$kc reboot=t"
+    boot_watch $n "file=$img" "$kc" "v reboot" 2
+    img_out "$img"
+    if [ -n "$to" ]; then
+        why="$n: VMM exit $vrc$to; serial ends: '$(grep -v '^ *$' $L/$n.log | tail -n1 | tr -d '\r' | cut -c1-120)'"
+        return 1
+    fi
+    booted_ok $n || return 1
+    nb=$(grep -c L2-BOOTED $L/$n.log)
+    [ "$nb" -eq 2 ] || { why="$n: $nb guest boots in the VMM run, expected 2"; return 1; }
+    grep -q "GUEST-OK s7reboot: boot 2" $L/$n.log || { why="$n: the second boot did not see the first's file$(guest_said $n)"; return 1; }
+    if [ "$VMM" = ch ]; then
+        n1=$(grep -c 'guest started (boot 1)' $L/$n.log)
+        n2=$(grep -c 'guest started (boot 2)' $L/$n.log)
+        n3=$(grep -c 'guest started (boot [3-9]' $L/$n.log)
+        [ "$n1" -eq 1 ] && [ "$n2" -eq 1 ] && [ "$n3" -eq 0 ] \
+            || { why="$n: VMM log has 'guest started (boot 1)' x$n1, '(boot 2)' x$n2, later boots x$n3; expected 1, 1, 0"; return 1; }
+        grep -q 'guest reset: booting again' $L/$n.log || { why="$n: no 'guest reset: booting again' in the VMM log"; return 1; }
+        grep -q 'guest powered off' $L/$n.log || { why="$n: no 'guest powered off' in the VMM log"; return 1; }
+    fi
+    img_check "$img"
+    [ $crc -eq 0 ] || { why="pcow-img check s7$v: rc=$crc"; return 1; }
+    how=$(grep -o 'guest power event: Reset\|triple fault' $L/$n.log | head -n1)
+    echo "VMMSC-INFO 7 $n=ok reset_by='${how:-?}'"
+}
+
+# sc7_term: SIGTERM while the guest writes + syncs in a loop.
+sc7_term() {
+    img=$(img_in s7c) || { why="no image"; return 1; }
+    want=${S7_TERM_AFTER:-5}
+    t=$(up)
+    sh "$0" __vmm "file=$img" "l2.scenario=s7loop" "v" </dev/null >$L/s7-term.log 2>&1 &
+    pid=$!
+    i=0
+    while [ $i -lt $((BOOT_TIMEOUT * 10)) ] && alive $pid && ! grep -qE "^SYNCED $want(\$|[^0-9])" $L/s7-term.log; do
+        sleep 0.1
+        i=$((i + 1))
+    done
+    was_alive=no
+    alive $pid && was_alive=yes
+    kill -TERM $pid 2>/dev/null
+    tt=$(up)
+    while alive $pid && awk -v a="$tt" -v b="$(up)" 'BEGIN { exit !(b - a < 10) }'; do
+        sleep 0.1
+    done
+    late=
+    alive $pid && { late=" (still running 10 s after SIGTERM: SIGKILL)"; kill -9 $pid; }
+    wait $pid
+    vrc=$?
+    dt=$(since "$tt")
+    echo "VMMSC-BOOT s7-term exit=$vrc time=$(since "$t")s (SIGTERM when SYNCED $want appeared; alive=$was_alive; exited ${dt}s after it)$late"
+    tr -d '\r' <$L/s7-term.log | sed "s/^/  L2[s7-term]| /"
+    nsync=$(sed -n 's/^SYNCED \([0-9]*\).*/\1/p' $L/s7-term.log | tail -n1)
+    nsync=${nsync:-0}
+    echo "VMMSC-INFO 7 synced=$nsync term_exit_s=$dt"
+    if [ "$was_alive" = no ] || [ "$nsync" -lt "$want" ]; then
+        img_out "$img"
+        why="s7-term: the guest never reported SYNCED $want (VMM exit $vrc$(guest_said s7-term))"
+        return 1
+    fi
+    if [ -n "$late" ] || [ $vrc -ne 0 ]; then
+        img_out "$img"
+        why="s7-term: after SIGTERM the VMM exited $vrc in ${dt}s$late, expected 0 within 10 s ($(grep -v '^SYNCED' $L/s7-term.log | tail -n2 | tr '\n' ' ' | cut -c1-200))"
+        return 1
+    fi
+    if [ "$VMM" = ch ]; then
+        vmm_logged s7-term 'stopped by signal 15' || { img_out "$img"; why="s7-term: no 'stopped by signal 15' in the VMM log"; return 1; }
+        vmm_logged s7-term 'final barrier' || { img_out "$img"; why="s7-term: no 'final barrier' in the VMM log"; return 1; }
+    fi
+    img_check "$img"
+    c1=$crc
+    [ $c1 -eq 0 ] || { img_out "$img"; why="pcow-img check after SIGTERM: rc=$c1, expected 0 (the final barrier ran)"; return 1; }
+    boot s7-term-verify "file=$img" "l2.scenario=s7verify l2.n=$nsync"
+    img_out "$img"
+    booted_ok s7-term-verify || return 1
+    img_check "$img"
+    [ $crc -eq 0 ] || { why="pcow-img check after the verifying boot: rc=$crc"; return 1; }
+    tnote="SIGTERM after SYNCED $want: exit 0 in ${dt}s, check rc=0, all $nsync synced files intact"
+}
+
+sc7() {
+    whys=
+    for part in "reboot a" "reboot b" term; do
+        why=
+        set -- $part
+        if ! sc7_$1 ${2:-}; then
+            whys="${whys:+$whys; }$why"
+        fi
+    done
+    why=$whys
+    [ -z "$whys" ] || return 1
+    note="reboot -f (default method) and reboot=t: 1 VMM run each, 2 guest boots, file seen by boot 2; $tnote"
+}
+
+sc8() {
+    img=$(img_in s8) || { why="no image"; return 1; }
+    raw=/tmp/s8raw.raw
+    gunzip -c img/s8raw.raw.gz >$raw && rm img/s8raw.raw.gz || { why="no raw image"; return 1; }
+    boot s8-two "file=$img file=$raw" "l2.scenario=s8two" "cpus=2"
+    img_out "$img"
+    cp $raw /out/
+    booted_ok s8-two && pmem_line_ok s8-two "$SIZE" || return 1
+    grep -q "GUEST-CPUS n=2 " $L/s8-two.log || { why="s8-two: the guest does not see 2 CPUs: $(grep -o 'GUEST-CPUS.*' $L/s8-two.log)"; return 1; }
+    tr -d '\r' <$L/s8-two.log | grep -q "GUEST-PMEM-SIZES pmem0=$SIZE pmem1=$SIZE8\$" \
+        || { why="s8-two: expected 'GUEST-PMEM-SIZES pmem0=$SIZE pmem1=$SIZE8', got '$(grep -o 'GUEST-PMEM-SIZES.*' $L/s8-two.log)'"; return 1; }
+    grep -q S8-RAW-MARKER-3f6a91 $raw || { why="the guest's write to /dev/pmem1 did not reach the raw file"; return 1; }
+    img_check "$img"
+    [ $crc -eq 0 ] || { why="pcow-img check s8: rc=$crc"; return 1; }
+    note="2 vCPUs; pmem0 pcow $((SIZE / 1048576)) MiB + pmem1 raw $((SIZE8 / 1048576)) MiB, both ext4 dax, written, synced; raw file has its marker; check rc=0"
 }
 
 run() { # K FUNCTION

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Our VMM (`cloud-hypervisor`) in the nested sandbox: the six scenarios of the
-# "Nested sandbox tier" (issue 4), all in ONE L1 boot, then host-side checks
+# "Nested sandbox tier" (issue 4) and two more, all in ONE L1 boot, then host-side checks
 # on the images brought back (run-l1.sh SANDBOX_OUT):
 #   1 write-read      ext4 made here (mkfs.ext4 -b 4096, pcow-img convert),
 #                     /dev/pmem0 has the virtual size, mounts -o dax, files
@@ -19,6 +19,13 @@
 #                     synced is intact on the next boot
 #   6 raw-discard     raw --pmem file: writes reach it; discard_writes=on:
 #                     the guest reads its writes back, the file is unchanged
+#   7 reboot-sigterm  guest writes + syncs + `reboot -f` (default reboot, then
+#                     reboot=t: triple fault): the same VMM process boots it
+#                     again, boot 2 sees the file, powers off, exit 0; SIGTERM
+#                     while the guest writes + syncs: exit 0 within 10 s,
+#                     check clean (0), every synced file intact
+#   8 two-devices     --cpus boot=2, two --pmem: pcow (pmem0) + raw 32 MiB
+#                     (pmem1): right sizes, both ext4 dax, written, synced
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
@@ -26,7 +33,7 @@
 #   VMMSC_VMM=ch (default: build and run target/release/cloud-hypervisor) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6" (a subset runs only those)
+#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8" (a subset runs only those)
 #   VMMSC_VERBOSE=1  echo the whole serial output (default: markers only; the
 #                    full log is always kept, its path is printed)
 #   VMMSC_BOOT_TIMEOUT (s, per VMM run in L1, default 120)
@@ -53,11 +60,12 @@ skip() {
 }
 t_all=$(now)
 VMM=${VMMSC_VMM:-ch}
-SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6}
+SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
 SIZE=$((64 * 1048576))  # the images' virtual size
 SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
+SIZE8=$((32 * 1048576)) # scenario 8's raw (second) device
 case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
-declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard)
+declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices)
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 
 # File contents, as vmm-guest.sh generates them (yes dies of SIGPIPE).
@@ -144,6 +152,7 @@ else
 VMM=$VMM
 SIZE=$SIZE
 SIZE6=$SIZE6
+SIZE8=$SIZE8
 BOOT_TIMEOUT=${VMMSC_BOOT_TIMEOUT:-120}
 SCENARIOS="$SCENARIOS"
 EOF
@@ -202,6 +211,13 @@ EOF
                 truncate -s "$SIZE6" "$host/s6.raw"
                 mkfs.ext4 -q -b 4096 -F "$host/s6.raw"
                 gzip -1 -c "$host/s6.raw" >"$payload/img/s6.raw.gz"
+                ;;
+            7) mkimg s7a && mkimg s7b && mkimg s7c ;;
+            8)
+                mkimg s8
+                truncate -s "$SIZE8" "$host/s8raw.raw"
+                mkfs.ext4 -q -b 4096 -F "$host/s8raw.raw"
+                gzip -1 -c "$host/s8raw.raw" >"$payload/img/s8raw.raw.gz"
                 ;;
         esac
     done
@@ -327,15 +343,19 @@ host4() {
     fsame "$flat/s4ov.raw" /var/s4-written.txt "s4 written on root" 20000
     [ -z "$hwhy" ]
 }
+# synced_files K IMAGE: files 1..n of the SYNCED loop (n from L1) intact.
+synced_files() {
+    local n i
+    n=$(info_of "$1" synced)
+    [ -n "$n" ] && [ "$n" -gt 0 ] || hfail "no SYNCED count from L1" || return 1
+    for ((i = 1; i <= n; i++)); do
+        fsame "$flat/$2.raw" "/f$i" "s$1 file $i" $((4096 + (i * 7919) % 60000)) || break
+    done
+}
 host5() {
     pcheck s5 0 3 && flatten s5 || return 1
     fsck_ok s5
-    local n i
-    n=$(info_of 5 synced)
-    [ -n "$n" ] && [ "$n" -gt 0 ] || hfail "no SYNCED count from L1" || return 1
-    for ((i = 1; i <= n; i++)); do
-        fsame "$flat/s5.raw" "/f$i" "s5 file $i" $((4096 + (i * 7919) % 60000)) || break
-    done
+    synced_files 5 s5
     [ -z "$hwhy" ]
 }
 host6() {
@@ -344,6 +364,35 @@ host6() {
     fsck_ok s6
     [ "$(dcat "$flat/s6.raw" /raw-marker.txt)" = S6-RAW-MARKER-5b1d0c ] || hfail "/raw-marker.txt missing or wrong"
     ! has "$flat/s6.raw" /discard.txt || hfail "/discard.txt (discard_writes=on) present"
+    [ -z "$hwhy" ]
+}
+
+host7() {
+    pcheck s7a 0 && pcheck s7b 0 && pcheck s7c 0 || return 1
+    flatten s7a && flatten s7b && flatten s7c || return 1
+    local v
+    for v in a b; do
+        fsck_ok "s7$v"
+        fsame "$flat/s7$v.raw" /boot1.txt "s7 boot1 $v" 30000
+        fsame "$flat/s7$v.raw" /boot2.txt "s7 boot2 $v" 20000
+    done
+    fsck_ok s7c
+    synced_files 7 s7c
+    [ -z "$hwhy" ]
+}
+host8() {
+    pcheck s8 0 && flatten s8 || return 1
+    [ -f "$out/s8raw.raw" ] || hfail "s8raw.raw not brought back" || return 1
+    cp "$out/s8raw.raw" "$flat/s8raw.raw"
+    [ "$(stat -c %s "$flat/s8raw.raw")" = "$SIZE8" ] || hfail "s8raw.raw is not $SIZE8 bytes"
+    fsck_ok s8
+    fsck_ok s8raw
+    fsame "$flat/s8.raw" /s8-pcow.bin "s8 pcow" 400000
+    [ "$(dcat "$flat/s8.raw" /pcow-marker.txt)" = S8-PCOW-MARKER-c27e05 ] || hfail "s8 (pcow):/pcow-marker.txt missing or wrong"
+    fsame "$flat/s8raw.raw" /s8-raw.bin "s8 raw" 300000
+    [ "$(dcat "$flat/s8raw.raw" /raw-marker.txt)" = S8-RAW-MARKER-3f6a91 ] || hfail "s8raw:/raw-marker.txt missing or wrong"
+    ! has "$flat/s8raw.raw" /s8-pcow.bin || hfail "the raw device has the pcow device's file"
+    ! has "$flat/s8.raw" /s8-raw.bin || hfail "the pcow device has the raw device's file"
     [ -z "$hwhy" ]
 }
 
