@@ -192,6 +192,7 @@ impl Drop for Vmm {
 
 #[test]
 fn lifecycle_states_and_refusals() {
+    let _serial = common::serial();
     let Some(mut v) = Vmm::start() else { return };
     let sock = v.sock.clone();
     let sock = sock.as_path();
@@ -357,6 +358,7 @@ fn lifecycle_states_and_refusals() {
 
 #[test]
 fn pmem_actions_on_a_running_vm() {
+    let _serial = common::serial();
     let Some(mut v) = Vmm::start() else { return };
     let sock = v.sock.clone();
     let sock = sock.as_path();
@@ -569,6 +571,7 @@ fn pmem_actions_on_a_running_vm() {
 
 #[test]
 fn bad_requests_are_answered_and_the_vmm_keeps_serving() {
+    let _serial = common::serial();
     let Some(mut v) = Vmm::start() else { return };
     let sock = v.sock.clone();
     let sock = sock.as_path();
@@ -679,6 +682,7 @@ fn bad_requests_are_answered_and_the_vmm_keeps_serving() {
 
 #[test]
 fn one_socket_one_vmm_and_stale_sockets_are_replaced() {
+    let _serial = common::serial();
     let Some(mut v) = Vmm::start() else { return };
     // A second VMM on the same path is refused; the first keeps serving.
     let out = Command::new(BIN)

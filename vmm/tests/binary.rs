@@ -111,6 +111,7 @@ fn bytes(p: &str) -> Vec<u8> {
 
 #[test]
 fn a_kernel_that_is_not_a_kernel_is_refused_before_any_image_is_opened() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.not_a_kernel();
     let img = f.pcow("a.pcow", 4 * MIB);
@@ -131,6 +132,7 @@ fn a_kernel_that_is_not_a_kernel_is_refused_before_any_image_is_opened() {
 
 #[test]
 fn a_raw_file_that_is_not_a_2mib_multiple_is_refused() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.not_a_kernel();
     let raw = f.s("raw.img");
@@ -145,6 +147,7 @@ fn a_raw_file_that_is_not_a_2mib_multiple_is_refused() {
 
 #[test]
 fn a_pcow_image_whose_size_is_not_a_2mib_multiple_names_pcow_img_resize() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.not_a_kernel();
     let img = f.pcow("odd.pcow", 3 * MIB);
@@ -158,6 +161,7 @@ fn a_pcow_image_whose_size_is_not_a_2mib_multiple_names_pcow_img_resize() {
 
 #[test]
 fn a_corrupt_pcow_image_is_refused_and_left_as_it_was() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.not_a_kernel();
     let img = f.pcow("bad.pcow", 4 * MIB);
@@ -174,6 +178,7 @@ fn a_corrupt_pcow_image_is_refused_and_left_as_it_was() {
 
 #[test]
 fn a_missing_base_image_is_refused() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.not_a_kernel();
     let base = f.pcow("base.pcow", 4 * MIB);
@@ -199,6 +204,7 @@ fn a_missing_base_image_is_refused() {
 
 #[test]
 fn two_devices_on_the_same_file_are_refused() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.not_a_kernel();
     let img = f.pcow("a.pcow", 4 * MIB);
@@ -223,6 +229,7 @@ fn two_devices_on_the_same_file_are_refused() {
 
 #[test]
 fn a_pcow_image_locked_by_another_writer_is_refused() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.halting_kernel();
     let img = f.pcow("a.pcow", 4 * MIB);
@@ -238,6 +245,7 @@ fn a_pcow_image_locked_by_another_writer_is_refused() {
 
 #[test]
 fn bad_option_values_are_one_line_and_exit_1() {
+    let _serial = common::serial();
     let f = Fixture::new();
     let kernel = f.not_a_kernel();
     refused(&["--kernel", &kernel, "--cpus", "boot=0"], &["boot"]);
@@ -256,6 +264,7 @@ fn bad_option_values_are_one_line_and_exit_1() {
 
 #[test]
 fn help_and_version_exit_0() {
+    let _serial = common::serial();
     let r = run(&["--help"]);
     assert_eq!(r.code, Some(0));
     assert!(r.stdout.contains("--pmem"), "{}", r.stdout);
@@ -278,6 +287,7 @@ fn wait_for(child: &mut std::process::Child, limit: Duration) -> Option<std::pro
 
 #[test]
 fn sigterm_ends_a_running_guest_with_exit_0_after_the_final_barrier() {
+    let _serial = common::serial();
     if !Path::new("/dev/kvm").exists() {
         assert!(
             std::env::var_os("CI").is_none(),

@@ -2,6 +2,17 @@
 #![allow(dead_code)] // each test binary uses a part
 
 use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+/// Serializes the tests of one binary. A test that spawns the VMM forks,
+/// and a forked child holds the parent's open files, and so their flock
+/// locks, until it execs: an image another test thread has open at that
+/// moment looks locked to whoever opens it next (the VMM, or the test
+/// itself). One test at a time removes that race.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Writes a minimal ELF "kernel" with a PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY)
 /// whose code halts forever: enough for the VMM to build and run a whole
