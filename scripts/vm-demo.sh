@@ -77,6 +77,14 @@ echo "guest: boot number $n of this image"
 dd if=/dev/urandom of="/mnt/pmem/data-$n" bs=1M count=2 2>/dev/null
 sync
 ls -l /mnt/pmem
+# Serial input: the session types a line into the VMM's standard input once
+# it sees this prompt; the guest reads it from its console (ttyS0).
+echo "guest: type a line"
+if read -t 60 line; then
+    echo "guest: read from the serial console: $line"
+else
+    echo "guest: no serial input"
+fi
 EOF
 "$SANDBOX_SCRIPTS/build-l2.sh" "$work/guest.sh" "$payload/l2" >/dev/null
 
@@ -95,12 +103,31 @@ img=$1
 boot() {
     echo
     echo "\$ cloud-hypervisor --kernel l2/vmlinuz --initramfs l2/initramfs.cpio --cmdline \"console=ttyS0 panic=-1 quiet\" --cpus boot=2 --memory size=256M --pmem file=$img --serial tty --console off"
+    # Standard input is a FIFO: a line is typed into it when the guest asks.
+    rm -f /tmp/demo-in /tmp/demo-out
+    mkfifo /tmp/demo-in
+    exec 3<>/tmp/demo-in
     timeout 300 ./cloud-hypervisor --kernel l2/vmlinuz --initramfs l2/initramfs.cpio \
         --cmdline "console=ttyS0 panic=-1 quiet" --cpus boot=2 --memory size=256M \
-        --pmem "file=$img" --serial tty --console off </dev/null
+        --pmem "file=$img" --serial tty --console off </tmp/demo-in >/tmp/demo-out 2>&1 &
+    vmm=$!
+    tail -f /tmp/demo-out &
+    tailer=$!
+    i=0
+    while ! grep -q 'guest: type a line' /tmp/demo-out && [ $i -lt 600 ] && kill -0 $vmm 2>/dev/null; do
+        sleep 0.2
+        i=$((i + 1))
+    done
+    printf 'hello-typed-on-the-host\n' >&3
+    wait $vmm
     rc=$?
+    sleep 0.3
+    kill $tailer 2>/dev/null
+    exec 3>&-
     echo "cloud-hypervisor exited $rc"
     [ $rc -eq 0 ] || exit 20
+    grep -q 'read from the serial console: hello-typed-on-the-host' /tmp/demo-out \
+        || { echo "the guest did not read the line typed into the serial console"; exit 26; }
 }
 boot
 echo; echo "\$ pcow-img check $img"; ./pcow-img check "$img" || exit 21
