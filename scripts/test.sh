@@ -53,6 +53,17 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo test --workspace --no-fail-fast (every test binary runs; any failure fails)"
 cargo test --workspace --no-fail-fast
 
+# Every fuzz target for a bounded time (cargo-fuzz on the stable toolchain,
+# docs/fuzzing.md): any crash, leak, timeout or OOM fails. FUZZ_SECONDS=0
+# skips this step (and says so).
+fuzz_secs=${FUZZ_SECONDS:-20}
+if [ "$fuzz_secs" -gt 0 ]; then
+    step "fuzzing: every target for ${fuzz_secs} s (scripts/fuzz.sh)"
+    scripts/fuzz.sh "$fuzz_secs"
+else
+    step "fuzzing: SKIPPED (FUZZ_SECONDS=0)"
+fi
+
 # Tier 4: real Linux guests in the nested sandbox (QEMU TCG playing an AMD
 # host, its stock kvm-amd, our cloud-hypervisor inside). Each script fetches
 # and builds what it needs from Debian's packages (cached in .cache/sandbox)
