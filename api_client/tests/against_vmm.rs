@@ -159,7 +159,7 @@ fn every_command_against_the_vmm() {
     ok(sock, &["add-pmem", &format!("file={},id=p1", s("b.pcow"))]);
     assert_eq!(json(&ok(sock, &["info"]))["state"], "Created");
     ok(sock, &["boot"]);
-    fails(sock, &["remove-device", "p1"], "not implemented");
+    fails(sock, &["remove-device", "p1"], "hot-unplug");
     ok(sock, &["pause"]);
     assert_eq!(json(&ok(sock, &["info"]))["state"], "Paused");
     ok(sock, &["resume"]);

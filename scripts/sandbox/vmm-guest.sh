@@ -8,10 +8,12 @@
 #                      s3ovl s3check (+ l2.tag=T) | s4root |
 #                      s5loop s5verify (+ l2.n=N) | s6raw s6discard |
 #                      s7reboot (+ l2.tag=T) s7loop s7verify (+ l2.n=N) |
-#                      s8two | bench (nothing: vmm-bench.sh)
+#                      s8two | s9loop s9reset (+ l2.n=N) |
+#                      bench (nothing: vmm-bench.sh)
 # Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
-# SYNCED n (s5loop, s7loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
-# GUEST-PMEM-SIZES (s8two). Exit status 0 when the guest-side checks passed.
+# SYNCED n (s5loop, s7loop, s9loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
+# GUEST-PMEM-SIZES (s8two), GUEST-S9-WAIT-RESET (s9reset). Exit status 0 when
+# the guest-side checks passed.
 # The file contents are generated (gen TEXT BYTES), so that L1 and the host
 # can regenerate them: keep gen in step with vmm-scenarios.sh.
 M=/mnt/pmem
@@ -67,6 +69,20 @@ need_dax() {
 }
 s1size() { echo $(($1 * 5000 + 123)); }
 s5size() { echo $((4096 + ($1 * 7919) % 60000)); }
+# synced_bad P N: prints how many of f1..fN are not gen "P file i" (s5size i)
+# (the loops' files); names each bad one on stderr (the console).
+synced_bad() {
+    b=0
+    j=1
+    while [ $j -le "$2" ]; do
+        if ! same $M/f$j "$1 file $j" "$(s5size $j)"; then
+            echo "GUEST: f$j lost or wrong ($(ls -l $M/f$j 2>&1))" >&2
+            b=$((b + 1))
+        fi
+        j=$((j + 1))
+    done
+    echo $b
+}
 
 case $scenario in
     s1write)
@@ -164,34 +180,62 @@ case $scenario in
         same /var/s4-written.txt "s4 written on root" 20000 || fail "cannot read back /var/s4-written.txt"
         ok "root on /dev/pmem0 (dax), wrote /var/s4-written.txt"
         ;;
-    s5loop | s7loop)
+    s5loop | s7loop | s9loop)
+        # s5/s7: until the VMM is killed (400 at most). s9: l2.n files, each
+        # followed by a 0.2 s pause (an API request L1 sends on seeing
+        # SYNCED i lands before file i+1 is written, mostly), then
+        # /s9-done.txt and a normal poweroff.
         need_dax
         p=${scenario%loop}
+        max=400
+        [ $p = s9 ] && max=$n
+        [ "$max" -gt 0 ] || fail "l2.n missing"
         i=1
-        while [ $i -le 400 ]; do
+        while [ $i -le $max ]; do
             gen "$p file $i" "$(s5size $i)" >$M/f$i
             sync
             echo "SYNCED $i"
+            [ $p = s9 ] && sleep 0.2
             i=$((i + 1))
         done
-        fail "not stopped after 400 synced files"
+        [ $p = s9 ] || fail "not stopped after 400 synced files"
+        gen "s9 done" 5000 >$M/s9-done.txt
+        sync
+        ok "wrote and synced $max files and s9-done.txt"
         ;;
     s5verify | s7verify)
         need_dax
         [ "$n" -gt 0 ] || fail "l2.n missing"
         p=${scenario%verify}
-        bad=0
-        i=1
-        while [ $i -le "$n" ]; do
-            if ! same $M/f$i "$p file $i" "$(s5size $i)"; then
-                echo "GUEST: f$i lost or wrong ($(ls -l $M/f$i 2>&1))"
-                bad=$((bad + 1))
-            fi
-            i=$((i + 1))
-        done
+        bad=$(synced_bad $p "$n")
         extra=$(ls $M | grep -c '^f')
-        [ $bad -eq 0 ] || fail "$bad of the $n synced files lost or wrong"
+        [ "$bad" -eq 0 ] || fail "$bad of the $n synced files lost or wrong"
         ok "all $n synced files intact ($extra f* files present)"
+        ;;
+    s9reset)
+        # Booted on the image the live run (s9loop) left; L1 rolls the device
+        # back to a snapshot with `reset` while boot 1 waits: boot 2 (same VMM
+        # process, same command line) must see the snapshot's content, which
+        # lacks s9-done.txt. l2.n = the last SYNCED L1 saw before the snapshot.
+        need_dax
+        [ "$n" -gt 0 ] || fail "l2.n missing"
+        nf=$(ls $M | grep -c '^f[0-9]*$')
+        if [ -f $M/s9-done.txt ]; then
+            same $M/s9-done.txt "s9 done" 5000 || fail "boot 1: s9-done.txt wrong"
+            bad=$(synced_bad s9 "$nf")
+            [ "$bad" -eq 0 ] || fail "boot 1: $bad of the live run's $nf files lost or wrong"
+            gen "s9 after the snapshot" 20000 >$M/s9-reset.txt
+            sync
+            echo "GUEST-S9-WAIT-RESET files=$nf"
+            sleep 60
+            fail "boot 1: not reset 60 s after GUEST-S9-WAIT-RESET"
+        fi
+        [ ! -e $M/s9-reset.txt ] || fail "boot 2: s9-reset.txt (written after the snapshot) exists"
+        bad=$(synced_bad s9 "$n")
+        [ "$bad" -eq 0 ] || fail "boot 2: $bad of the $n files synced before the snapshot lost or wrong"
+        above=$(ls $M | sed -n 's/^f\([0-9]*\)$/\1/p' | awk -v n="$n" '$1 > n + 1' | tr '\n' ' ')
+        [ -z "$above" ] || fail "boot 2: files above $((n + 1)) exist: $above"
+        ok "boot 2: the snapshot's content: f1..f$n intact, $nf f* files, nothing above f$((n + 1)), no s9-done.txt or s9-reset.txt"
         ;;
     s6raw)
         need_dax

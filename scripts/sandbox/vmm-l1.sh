@@ -6,13 +6,16 @@
 #
 # /payload holds: vmm.conf (VMM=ch|qemu, SIZE, SIZE6 (scenario 6) and SIZE8
 # (scenario 8's raw device) in bytes,
-# BOOT_TIMEOUT=s, SCENARIOS),
-# cloud-hypervisor (VMM=ch) or qemu/ (VMM=qemu, the stand-in: raw images
-# only, see img_* below), pcow-img, l2/{vmlinuz,initramfs.cpio}, img/*.
+# BOOT_TIMEOUT=s, SCENARIOS, S9_FILES (scenario 9's file count)),
+# cloud-hypervisor and ch-remote (VMM=ch) or qemu/ (VMM=qemu, the stand-in:
+# raw images only, see img_* below; no API, so no scenario 9), pcow-img,
+# l2/{vmlinuz,initramfs.cpio}, img/*.
 # Markers (parsed by vmm-scenarios.sh):
 #   VMMSC-BOOT NAME exit=N time=S [TIMEOUT]   one VMM run (L2 serial follows,
 #                                             prefixed "  L2[NAME]| ")
 #   VMMSC-INFO K key=value                    facts the host checks use
+#   VMMSC-API NAME rc=N: OUTPUT               one ch-remote call (scenario 9;
+#                                             stdout+stderr, one line)
 #   VMMSC-RESULT K PASS|FAIL reason           scenario K's L1-side verdict
 cd /payload || exit 1
 . ./vmm.conf
@@ -24,16 +27,19 @@ L=/tmp/logs
 # options; the QEMU stand-in translates them). PMEM_SPECS: one --pmem value or
 # several separated by spaces (one device each, in order). OPTS, words:
 # cpus=N (--cpus boot=N, default 1), v (-v: info log lines on stderr),
-# reboot (the QEMU stand-in reboots in place instead of exiting, as ours does).
+# reboot (the QEMU stand-in reboots in place instead of exiting, as ours does),
+# api=PATH (--api-socket path=PATH; ours only).
 vmm_exec() {
     cpus=1
     verbose=
     noreboot=-no-reboot
+    api=
     for o in ${3:-}; do
         case $o in
             cpus=*) cpus=${o#cpus=} ;;
             v) verbose=-v ;;
             reboot) noreboot= ;;
+            api=*) api=${o#api=} ;;
         esac
     done
     pm=$1
@@ -41,6 +47,7 @@ vmm_exec() {
     set --
     if [ "$VMM" = ch ]; then
         for p in $pm; do set -- "$@" --pmem "$p"; done
+        [ -z "$api" ] || set -- "$@" --api-socket "path=$api"
         exec ./cloud-hypervisor $verbose --kernel l2/vmlinuz --initramfs l2/initramfs.cpio \
             --cmdline "$KCMD $cmd" --cpus boot=$cpus --memory size=256M \
             "$@" --serial tty --console off
@@ -467,6 +474,208 @@ sc8() {
     img_check "$img"
     [ $crc -eq 0 ] || { why="pcow-img check s8: rc=$crc"; return 1; }
     note="2 vCPUs; pmem0 pcow $((SIZE / 1048576)) MiB + pmem1 raw $((SIZE8 / 1048576)) MiB, both ext4 dax, written, synced; raw file has its marker; check rc=0"
+}
+
+# ---- scenario 9: the API (ch-remote) on a running guest ------------------------
+SOCK=/tmp/ch.sock
+# api NAME ARGS...: one ch-remote call; stdout in $L/api-NAME.out, stderr in
+# $L/api-NAME.err, status in arc; logged as a VMMSC-API line.
+api() {
+    an=$1
+    shift
+    ./ch-remote --api-socket $SOCK --timeout 30 "$@" >$L/api-$an.out 2>$L/api-$an.err
+    arc=$?
+    echo "VMMSC-API $an rc=$arc: $(cat $L/api-$an.out $L/api-$an.err | tr '\n' ' ' | tr -s ' ' | cut -c1-400)"
+}
+api_err() { tr '\n' ' ' <$L/api-$1.err | cut -c1-200; }
+# JSON answers, without a JSON tool: flatten, then pick.
+flat_json() { tr -d ' \n\r' <$L/api-$1.out; }
+json_state() { flat_json "$1" | sed -n 's/.*"state":"\([A-Za-z]*\)".*/\1/p'; }
+json_pid() { flat_json "$1" | sed -n 's/.*"pid":\([0-9]*\).*/\1/p'; }
+json_tags() { flat_json "$1" | grep -o '"tag":"[^"]*"' | cut -d'"' -f4 | tr '\n' ' ' | sed 's/ $//'; }
+json_chain_len() { flat_json "$1" | sed -n 's/.*"chain":\[\([^]]*\)\].*/\1/p' | tr ',' '\n' | grep -c .; }
+last_synced() { s_=$(sed -n 's/^SYNCED \([0-9]*\).*/\1/p' "$1" | tail -n1); echo "${s_:-0}"; }
+synced_ge() { [ "$(last_synced "$1")" -ge "$2" ]; }
+# until_ SECONDS CMD...: runs CMD every 0.1 s until it succeeds (0), or the
+# VMM ($pid) is gone, or SECONDS passed (1).
+until_() {
+    lim_=$1
+    shift
+    t0_=$(up)
+    while ! "$@"; do
+        alive $pid || return 1
+        awk -v a="$t0_" -v b="$(up)" -v s="$lim_" 'BEGIN { exit !(b - a > s) }' && return 1
+        sleep 0.1
+    done
+}
+# snapshot_tags IMAGE: the tags `pcow-img snapshot -l` lists.
+snapshot_tags() { pcow-img snapshot -l "$1" 2>&1 | awk '$1 ~ /^[0-9]+$/ { print $2 }' | tr '\n' ' ' | sed 's/ $//'; }
+# vmm_end NAME T0 MAX_BOOTS STOP_PATTERN [KILL_NOW]: waits (at most
+# BOOT_TIMEOUT since T0) for the background VMM $pid to exit; SIGKILLs it at
+# once with KILL_NOW, or when its serial shows more than MAX_BOOTS guest boots
+# or STOP_PATTERN more than once; sets vrc and to, prints VMMSC-BOOT and the
+# serial (as boot).
+vmm_end() {
+    to=
+    [ -n "${5:-}" ] && alive $pid && to=" (SIGKILL: $5)"
+    while [ -z "$to" ] && alive $pid; do
+        if [ "$(grep -c L2-BOOTED $L/$1.log)" -gt "$3" ]; then
+            to=" (SIGKILL: more than $3 guest boots)"
+        elif [ "$(grep -c "$4" $L/$1.log)" -gt 1 ]; then
+            to=" (SIGKILL: '$4' twice)"
+        elif awk -v a="$2" -v b="$(up)" -v s="$BOOT_TIMEOUT" 'BEGIN { exit !(b - a > s) }'; then
+            to=" TIMEOUT"
+        else
+            sleep 0.2
+        fi
+    done
+    [ -z "$to" ] || kill -9 $pid 2>/dev/null
+    wait $pid
+    vrc=$?
+    echo "VMMSC-BOOT $1 exit=$vrc time=$(since "$2")s$to"
+    tr -d '\r' <$L/$1.log | sed "s/^/  L2[$1]| /"
+}
+
+# sc9_snap TAG AFTER: once the serial shows SYNCED AFTER, records the last
+# SYNCED n the serial log shows (rec_TAG), sends pmem-snapshot TAG, records
+# the last SYNCED once it answered (post_TAG, information only).
+sc9_snap() {
+    until_ 60 synced_ge $L/s9-live.log "$2" \
+        || { why="s9-live: no SYNCED $2 before the $1 request (last SYNCED $(last_synced $L/s9-live.log)$(alive $pid || echo ", the VMM is gone: the guest's $N9 files done before L1's API work? raise VMMSC_S9_FILES"))"; return 1; }
+    r_=$(last_synced $L/s9-live.log)
+    api snapshot-$1 pmem-snapshot _pmem0 "$1"
+    p_=$(last_synced $L/s9-live.log)
+    eval "rec_$1=$r_ post_$1=$p_"
+    echo "VMMSC-INFO 9 snap_$1=$r_ snap_$1_post=$p_"
+    [ $arc -eq 0 ] || { why="s9-live: pmem-snapshot _pmem0 $1: rc=$arc ($(api_err snapshot-$1))"; return 1; }
+    [ "$(json_tags snapshot-$1)" = "$1" ] || { why="s9-live: pmem-snapshot $1 answered '$(flat_json snapshot-$1 | cut -c1-150)'"; return 1; }
+}
+
+# The API work while the guest loops (sets why on failure).
+sc9_live_api() {
+    until_ 60 test -S $SOCK || { why="s9-live: no API socket $SOCK$(guest_said s9-live)"; return 1; }
+    api ping ping
+    [ $arc -eq 0 ] && [ "$(json_pid ping)" = "$pid" ] || { why="s9-live: ping: rc=$arc, pid '$(json_pid ping)', expected $pid"; return 1; }
+    sc9_snap s1 3 || return 1
+    sc9_snap s2 $((rec_s1 + 3)) || return 1
+    api info-base pmem-info
+    [ $arc -eq 0 ] || { why="s9-live: pmem-info: rc=$arc ($(api_err info-base))"; return 1; }
+    tb=$(json_tags info-base)
+    cb=$(json_chain_len info-base)
+    [ "$tb" = "s1 s2" ] && [ "$cb" -eq 1 ] || { why="s9-live: pmem-info before the overlay: snapshots '$tb' (expected 's1 s2'), chain of $cb (expected 1)"; return 1; }
+    until_ 60 synced_ge $L/s9-live.log $((rec_s2 + 2)) || { why="s9-live: no SYNCED $((rec_s2 + 2)) before the overlay"; return 1; }
+    rec_ov=$(last_synced $L/s9-live.log)
+    api overlay pmem-overlay _pmem0 /tmp/s9ov.pcow
+    echo "VMMSC-INFO 9 overlay_after=$rec_ov"
+    [ $arc -eq 0 ] || { why="s9-live: pmem-overlay _pmem0 /tmp/s9ov.pcow: rc=$arc ($(api_err overlay))"; return 1; }
+    flat_json overlay | grep -q '"base":"[^"]*s9.pcow"' || { why="s9-live: pmem-overlay answered '$(flat_json overlay | cut -c1-150)', no base s9.pcow"; return 1; }
+    sc9_snap s3 $((rec_ov + 3)) || return 1
+    api info-ov pmem-info
+    [ $arc -eq 0 ] || { why="s9-live: pmem-info: rc=$arc ($(api_err info-ov))"; return 1; }
+    to_=$(json_tags info-ov)
+    co=$(json_chain_len info-ov)
+    flat_json info-ov | grep -q '"file":"/tmp/s9ov.pcow"' || { why="s9-live: pmem-info after the overlay: the device's file is not /tmp/s9ov.pcow: $(flat_json info-ov | cut -c1-200)"; return 1; }
+    [ "$co" -eq 2 ] || { why="s9-live: pmem-info after the overlay: chain of $co, expected 2: $(flat_json info-ov | sed -n 's/.*\("chain":\[[^]]*\]\).*/\1/p')"; return 1; }
+    case " $to_ " in *" s3 "*) ;; *) why="s9-live: pmem-info after the overlay lists snapshots '$to_', no s3"; return 1 ;; esac
+    api flush pmem-flush _pmem0
+    [ $arc -eq 0 ] && flat_json flush | grep -q '"pages_copied":[0-9]' || { why="s9-live: pmem-flush _pmem0: rc=$arc ($(api_err flush)$(flat_json flush | cut -c1-100))"; return 1; }
+    api info info
+    [ $arc -eq 0 ] && [ "$(json_state info)" = Running ] || { why="s9-live: info: rc=$arc, state '$(json_state info)', expected Running"; return 1; }
+    done_at=$(last_synced $L/s9-live.log)
+    echo "VMMSC-INFO 9 api_done_at=$done_at files=$N9 info_base='$tb' info_overlay='$to_'"
+    [ "$done_at" -lt "$N9" ] || { why="s9-live: the guest wrote its $N9 files before L1's API work ended (SYNCED $done_at): raise VMMSC_S9_FILES"; return 1; }
+}
+
+# Run A: snapshots, an overlay, flush, info while the guest writes + syncs
+# f1..fN9, then the guest powers off; offline checks of both files.
+sc9_live() {
+    img=$(img_in s9) || { why="no image"; return 1; }
+    N9=${S9_FILES:-22}
+    rec_s1=0 rec_s2=0 rec_s3=0 rec_ov=0 done_at=0
+    rm -f $SOCK
+    t=$(up)
+    sh "$0" __vmm "file=$img" "l2.scenario=s9loop l2.n=$N9" "v api=$SOCK" </dev/null >$L/s9-live.log 2>&1 &
+    pid=$!
+    why=
+    if sc9_live_api; then
+        vmm_end s9-live "$t" 1 GUEST-NEVER
+    else
+        vmm_end s9-live "$t" 1 GUEST-NEVER "the API steps failed"
+    fi
+    ov=/tmp/s9ov.pcow
+    img_out "$img"
+    [ -f $ov ] && img_out $ov
+    [ -z "$why" ] || return 1
+    booted_ok s9-live || return 1
+    vmm_logged s9-live 'guest powered off' || { why="s9-live: no 'guest powered off' in the VMM log"; return 1; }
+    # Offline: the snapshots where they were taken, both files clean.
+    tb=$(snapshot_tags $img)
+    to_=$(snapshot_tags $ov)
+    echo "VMMSC-INFO 9 base_snapshots='$tb' overlay_snapshots='$to_'"
+    [ "$tb" = "s1 s2" ] || { why="pcow-img snapshot -l s9.pcow (the base): '$tb', expected 's1 s2'"; return 1; }
+    [ "$to_" = s3 ] || { why="pcow-img snapshot -l s9ov.pcow (the overlay): '$to_', expected 's3'"; return 1; }
+    pcow-img info $ov >$L/s9ov.info 2>&1
+    grep -q '^backing file: s9.pcow ' $L/s9ov.info || { why="pcow-img info s9ov.pcow: '$(grep -i backing $L/s9ov.info | head -n1)', expected 'backing file: s9.pcow'"; return 1; }
+    for i in $img $ov; do
+        img_check $i
+        [ $crc -eq 0 ] || { why="pcow-img check $(basename $i) after the live run: rc=$crc"; return 1; }
+    done
+}
+
+# Run B: a guest on the overlay (snapshot s3): pmem-rollback without reset is
+# refused (409), with --reset the same VMM process restarts the guest on s3.
+sc9_reset() {
+    ov=/tmp/s9ov.pcow
+    h0=$(sha /tmp/s9.pcow)
+    rm -f $SOCK
+    t=$(up)
+    sh "$0" __vmm "file=$ov" "l2.scenario=s9reset l2.n=$rec_s3" "v api=$SOCK" </dev/null >$L/s9-reset.log 2>&1 &
+    pid=$!
+    why=
+    sc9_reset_api || true
+    if [ -z "$why" ]; then
+        vmm_end s9-reset "$t" 2 GUEST-S9-WAIT-RESET
+    else
+        vmm_end s9-reset "$t" 2 GUEST-S9-WAIT-RESET "the API steps failed"
+    fi
+    mkdir -p /out/s9r
+    cp /tmp/s9.pcow $ov /out/s9r/
+    [ -z "$why" ] || return 1
+    booted_ok s9-reset || return 1
+    nb=$(grep -c L2-BOOTED $L/s9-reset.log)
+    [ "$nb" -eq 2 ] || { why="s9-reset: $nb guest boots, expected 2"; return 1; }
+    grep -q 'GUEST-OK s9reset: boot 2' $L/s9-reset.log || { why="s9-reset: boot 2 did not verify the snapshot$(guest_said s9-reset)"; return 1; }
+    vmm_logged s9-reset 'guest started (boot 2)' || { why="s9-reset: no 'guest started (boot 2)' in the VMM log"; return 1; }
+    vmm_logged s9-reset 'rolled back to snapshot' || { why="s9-reset: no 'rolled back to snapshot' in the VMM log"; return 1; }
+    [ "$(sha /tmp/s9.pcow)" = "$h0" ] || { why="s9-reset: the base s9.pcow changed"; return 1; }
+    img_check $ov
+    [ $crc -eq 0 ] || { why="pcow-img check s9ov.pcow after the reset run: rc=$crc"; return 1; }
+}
+sc9_reset_api() {
+    until_ 60 grep -q GUEST-S9-WAIT-RESET $L/s9-reset.log \
+        || { why="s9-reset: boot 1 never said GUEST-S9-WAIT-RESET$(guest_said s9-reset)"; return 1; }
+    api reset-ping0 ping
+    pid0=$(json_pid reset-ping0)
+    api rollback-noreset pmem-rollback _pmem0 s3
+    [ $arc -eq 1 ] || { why="s9-reset: pmem-rollback _pmem0 s3 without --reset on a running VM: rc=$arc, expected 1 (409)"; return 1; }
+    grep -qi 'reset' $L/api-rollback-noreset.err || { why="s9-reset: the refused rollback's message does not mention reset: $(api_err rollback-noreset)"; return 1; }
+    api info-noreset info
+    [ "$(json_state info-noreset)" = Running ] || { why="s9-reset: after the refused rollback the state is '$(json_state info-noreset)'"; return 1; }
+    api rollback-reset pmem-rollback _pmem0 s3 --reset
+    [ $arc -eq 0 ] && [ "$(json_tags rollback-reset)" = s3 ] || { why="s9-reset: pmem-rollback _pmem0 s3 --reset: rc=$arc ($(api_err rollback-reset)$(flat_json rollback-reset | cut -c1-100))"; return 1; }
+    api info-reset info
+    [ $arc -eq 0 ] && [ "$(json_state info-reset)" = Running ] || { why="s9-reset: info after the reset: rc=$arc, state '$(json_state info-reset)', expected Running"; return 1; }
+    api reset-ping1 ping
+    pid1=$(json_pid reset-ping1)
+    [ "$pid0" = "$pid" ] && [ "$pid1" = "$pid" ] || { why="s9-reset: ping pid before/after the reset $pid0/$pid1, VMM $pid"; return 1; }
+}
+
+sc9() {
+    [ "$VMM" = ch ] || { why="needs our VMM's API (VMMSC_VMM=qemu has none)"; return 1; }
+    sc9_live || return 1
+    lnote="live: s1 after SYNCED $rec_s1, s2 after $rec_s2, overlay after $rec_ov, s3 after $rec_s3 (L1 done at $done_at of $N9); base has s1 s2, overlay s3, check 0 x2"
+    sc9_reset || return 1
+    note="$lnote; rollback without reset refused ($(head -n1 $L/api-rollback-noreset.err | cut -c1-60)...), --reset: same VMM (pid $pid), state Running, boot 2 saw s3's f1..f$rec_s3, exit 0"
 }
 
 run() { # K FUNCTION

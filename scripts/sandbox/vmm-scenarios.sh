@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Our VMM (`cloud-hypervisor`) in the nested sandbox: the six scenarios of the
-# "Nested sandbox tier" (issue 4) and two more, all in ONE L1 boot, then host-side checks
+# "Nested sandbox tier" (issue 4) and three more, all in ONE L1 boot, then host-side checks
 # on the images brought back (run-l1.sh SANDBOX_OUT):
 #   1 write-read      ext4 made here (mkfs.ext4 -b 4096, pcow-img convert),
 #                     /dev/pmem0 has the virtual size, mounts -o dax, files
@@ -26,17 +26,27 @@
 #                     check clean (0), every synced file intact
 #   8 two-devices     --cpus boot=2, two --pmem: pcow (pmem0) + raw 32 MiB
 #                     (pmem1): right sizes, both ext4 dax, written, synced
+#   9 live-api        --api-socket, ch-remote while the guest writes + syncs:
+#                     pmem-snapshot s1 s2, pmem-overlay, pmem-snapshot s3,
+#                     pmem-info, pmem-flush; the guest powers off, exit 0; each
+#                     snapshot in its file, restored on a copy, has the files
+#                     synced before its request; pmem-rollback without reset
+#                     refused, with --reset the guest comes back on s3
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
 # Environment:
-#   VMMSC_VMM=ch (default: build and run target/release/cloud-hypervisor) or
+#   VMMSC_VMM=ch (default: build and run target/release/cloud-hypervisor and
+#     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8" (a subset runs only those)
+#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9" (a subset runs only those; 9 needs
+#     VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
 #   VMMSC_VERBOSE=1  echo the whole serial output (default: markers only; the
 #                    full log is always kept, its path is printed)
 #   VMMSC_BOOT_TIMEOUT (s, per VMM run in L1, default 120)
+#   VMMSC_S9_FILES (scenario 9's guest writes this many files, default 22;
+#                    L1's API work must end before the last)
 #   VMMSC_RECHECK=LOG  no build, no L1: only the host-side checks again, on the
 #                    images the last run brought back (.cache/sandbox/vmm-scenarios)
 #                    and that run's serial log
@@ -60,12 +70,16 @@ skip() {
 }
 t_all=$(now)
 VMM=${VMMSC_VMM:-ch}
-SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
+if [ "$VMM" = qemu ]; then
+    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
+else
+    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9}
+fi
 SIZE=$((64 * 1048576))  # the images' virtual size
 SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
 SIZE8=$((32 * 1048576)) # scenario 8's raw (second) device
 case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
-declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices)
+declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api)
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 
 # File contents, as vmm-guest.sh generates them (yes dies of SIGPIPE).
@@ -108,12 +122,13 @@ else
     t_fetch=$(elapsed "$t")
 
     # ---- binaries ------------------------------------------------------------------
-    say "== cargo build --release ($([ "$VMM" = ch ] && echo "cloud-hypervisor + ")pcow-img)"
+    say "== cargo build --release ($([ "$VMM" = ch ] && echo "cloud-hypervisor + ch-remote + ")pcow-img)"
     t=$(now)
     if [ "$VMM" = ch ]; then
-        cargo build --release -q -p vmm --bin cloud-hypervisor -p pcow --bin pcow-img \
-            || die "cargo build of cloud-hypervisor/pcow-img failed (VMMSC_VMM=qemu runs the harness with QEMU as a stand-in VMM)"
+        cargo build --release -q -p vmm --bin cloud-hypervisor -p pcow --bin pcow-img -p api_client --bin ch-remote \
+            || die "cargo build of cloud-hypervisor/pcow-img/ch-remote failed (VMMSC_VMM=qemu runs the harness with QEMU as a stand-in VMM)"
         [ -x "$tdir/release/cloud-hypervisor" ] || die "$tdir/release/cloud-hypervisor missing after the build"
+        [ -x "$tdir/release/ch-remote" ] || die "$tdir/release/ch-remote missing after the build"
     else
         cargo build --release -q -p pcow --bin pcow-img || die "cargo build of pcow-img failed"
     fi
@@ -139,6 +154,7 @@ else
     strip_copy "$PCOW_IMG" "$payload/pcow-img"
     if [ "$VMM" = ch ]; then
         strip_copy "$tdir/release/cloud-hypervisor" "$payload/cloud-hypervisor"
+        strip_copy "$tdir/release/ch-remote" "$payload/ch-remote"
     else
         mkdir -p "$payload/qemu/share"
         cp -L "$(command -v qemu-system-x86_64)" "$payload/qemu/qemu-system-x86_64"
@@ -154,6 +170,7 @@ SIZE=$SIZE
 SIZE6=$SIZE6
 SIZE8=$SIZE8
 BOOT_TIMEOUT=${VMMSC_BOOT_TIMEOUT:-120}
+S9_FILES=${VMMSC_S9_FILES:-22}
 SCENARIOS="$SCENARIOS"
 EOF
 
@@ -219,6 +236,7 @@ EOF
                 mkfs.ext4 -q -b 4096 -F "$host/s8raw.raw"
                 gzip -1 -c "$host/s8raw.raw" >"$payload/img/s8raw.raw.gz"
                 ;;
+            9) mkimg s9 ;;
         esac
     done
     t_build=$(elapsed "$t")
@@ -393,6 +411,52 @@ host8() {
     [ "$(dcat "$flat/s8raw.raw" /raw-marker.txt)" = S8-RAW-MARKER-3f6a91 ] || hfail "s8raw:/raw-marker.txt missing or wrong"
     ! has "$flat/s8raw.raw" /s8-pcow.bin || hfail "the raw device has the pcow device's file"
     ! has "$flat/s8.raw" /s8-raw.bin || hfail "the pcow device has the raw device's file"
+    [ -z "$hwhy" ]
+}
+
+# Scenario 9: the live run's base (s1, s2) and overlay (s3, on s9.pcow); each
+# snapshot restored on a copy of both files (the overlay names its base
+# relatively) and flattened has every file synced before its request
+# (n <= snap_TAG), none above snap_TAG + 1, no s9-done.txt.
+host9() {
+    pcheck s9 0 && pcheck s9ov 0 || return 1
+    local tb to_ n tag rec d f i names erc
+    tb=$("$PCOW_IMG" snapshot -l "$out/s9.pcow" 2>&1 | awk '$1 ~ /^[0-9]+$/ { print $2 }' | tr '\n' ' ')
+    to_=$("$PCOW_IMG" snapshot -l "$out/s9ov.pcow" 2>&1 | awk '$1 ~ /^[0-9]+$/ { print $2 }' | tr '\n' ' ')
+    [ "$tb" = "s1 s2 " ] || hfail "snapshot -l s9.pcow (base): '$tb', expected 's1 s2'"
+    [ "$to_" = "s3 " ] || hfail "snapshot -l s9ov.pcow (overlay): '$to_', expected 's3'"
+    "$PCOW_IMG" info "$out/s9ov.pcow" | grep -q '^backing file: s9.pcow ' || hfail "s9ov.pcow does not name s9.pcow as its base"
+    n=$(info_of 9 files)
+    [ -n "$n" ] || hfail "no file count from L1" || return 1
+    for tag in s1 s2 s3; do
+        rec=$(info_of 9 "snap_$tag")
+        [ -n "$rec" ] || { hfail "no snap_$tag from L1"; continue; }
+        d=$flat/s9-$tag
+        mkdir -p "$d"
+        cp "$out/s9.pcow" "$out/s9ov.pcow" "$d/"
+        f=$d/s9.pcow
+        [ $tag = s3 ] && f=$d/s9ov.pcow
+        "$PCOW_IMG" snapshot -a $tag "$f" >"$d/apply.txt" 2>&1 || { hfail "snapshot -a $tag on a copy: $(head -c 150 "$d/apply.txt")"; continue; }
+        "$PCOW_IMG" check "$f" >"$d/check.txt" 2>&1 || hfail "check of the copy after snapshot -a $tag: $(head -c 150 "$d/check.txt")"
+        "$PCOW_IMG" convert -O raw "$f" "$flat/s9-$tag.raw" >/dev/null 2>&1 || { hfail "convert -O raw of the copy at $tag failed"; continue; }
+        # A snapshot of a mounted ext4: replay its journal, as the next mount
+        # would, then the full read-only check.
+        erc=0
+        e2fsck -y -E journal_only "$flat/s9-$tag.raw" >"$flat/s9-$tag.replay" 2>&1 || erc=$?
+        [ $erc -le 1 ] || hfail "$tag: e2fsck -E journal_only failed: $(tail -n 2 "$flat/s9-$tag.replay" | tr '\n' ' ')"
+        fsck_ok "s9-$tag"
+        for ((i = 1; i <= rec; i++)); do
+            fsame "$flat/s9-$tag.raw" "/f$i" "s9 file $i" $((4096 + (i * 7919) % 60000)) || break
+        done
+        names=$(debugfs -R "ls -l /" "$flat/s9-$tag.raw" 2>/dev/null | awk '{ print $NF }')
+        i=$(sed -n 's/^f\([0-9]*\)$/\1/p' <<<"$names" | awk -v r="$rec" '$1 > r + 1' | tr '\n' ' ')
+        [ -z "$i" ] || hfail "$tag (taken after SYNCED $rec) has files above f$((rec + 1)): $i"
+        ! grep -qx s9-done.txt <<<"$names" || hfail "$tag has /s9-done.txt"
+    done
+    # The reset run's files: clean, the base untouched.
+    mkdir -p "$flat/s9r"
+    pcheck s9r/s9ov 0
+    cmp -s "$out/s9.pcow" "$out/s9r/s9.pcow" || hfail "the base changed during the reset run"
     [ -z "$hwhy" ]
 }
 

@@ -131,6 +131,30 @@ impl PendingInput {
     }
 }
 
+/// Whether `fd` can be polled: a regular file or /dev/null cannot (epoll
+/// refuses them with EPERM); serial input then stays off, as with a closed
+/// input.
+pub fn stdin_pollable(fd: RawFd) -> bool {
+    let Ok(epoll) = Epoll::new() else {
+        return false;
+    };
+    epoll
+        .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, 0))
+        .is_ok()
+}
+
+/// An error and its sources on one line.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
+}
+
 fn read_fd(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
     // SAFETY: `buf` is valid for writes of its length for the call.
     let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
@@ -167,11 +191,8 @@ fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Regis
         r.add(fd, Token::Api)?;
     }
     if let (Some(fd), Some(_)) = (inputs.stdin, &m.serial) {
-        // A regular file or /dev/null cannot be polled (EPERM): the guest
-        // then runs without input, as with a closed input.
-        if let Err(e) = r.add(fd, Token::Stdin) {
-            log::info!("standard input is not pollable, no serial input: {e}");
-        }
+        // The VMM checked that it can be polled (`stdin_pollable`).
+        r.add(fd, Token::Stdin)?;
     }
     for (dev, p) in m.pmem.iter().enumerate() {
         for (queue, fd) in p.notify.iter().enumerate() {
@@ -197,13 +218,11 @@ fn serve_monitor(m: &Machine, dev: usize, fd: RawFd) -> Result<(), String> {
         return Ok(());
     };
     mon.handle_fd(fd).map(|_| ()).map_err(|e| {
-        let mut msg = format!("pmem {}: image monitor: {e}", m.pmem[dev].id);
-        let mut src = std::error::Error::source(&e);
-        while let Some(s) = src {
-            msg.push_str(&format!(": {s}"));
-            src = s.source();
-        }
-        msg
+        format!(
+            "pmem {}: image monitor: {}",
+            m.pmem[dev].id,
+            error_chain(&e)
+        )
     })
 }
 
@@ -271,15 +290,7 @@ pub fn run(
                             Ok((stop, stats)) => {
                                 log::info!("a vCPU ended: {stop:?} ({stats:?})");
                             }
-                            Err(e) => {
-                                let mut msg = e.to_string();
-                                let mut src = std::error::Error::source(&e);
-                                while let Some(s) = src {
-                                    msg.push_str(&format!(": {s}"));
-                                    src = s.source();
-                                }
-                                return Ok(Outcome::Failed(msg));
-                            }
+                            Err(e) => return Ok(Outcome::Failed(error_chain(&e))),
                         }
                     }
                     if !m.vcpus_running() {

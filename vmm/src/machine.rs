@@ -375,10 +375,8 @@ impl Machine {
                 });
             }
             let gpa = cap(&p.id, vm.next_region_gpa())?;
-            // SAFETY: the region stays mapped until after the memslot is
-            // dropped: `Pmem` declares `slot` before `backend` and
-            // `monitor`, which keep the mapping alive, so the slot drops
-            // first.
+            // SAFETY: `Pmem` declares `slot` before `backend` and `monitor`,
+            // which keep the region mapped: the memslot is deleted first.
             let slot = cap(&p.id, unsafe { vm.add_region(gpa, host, p.size) })?;
             regions.push((p, slot, backend, monitor));
         }

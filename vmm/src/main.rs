@@ -17,7 +17,7 @@ use std::time::Duration;
 use vmm::api::{self, http::HttpServer};
 use vmm::config::cli::{self, Action, ApiSocket, CommandLine};
 use vmm::config::ConsoleOutputMode;
-use vmm::control::Inputs;
+use vmm::control::{self, Inputs};
 use vmm::vmm::{Vmm, VmmExit};
 use vmm_sys_util::terminal::Terminal;
 
@@ -133,9 +133,13 @@ fn run() -> Result<()> {
             }
         }
     }
+    let stdin_ok = tty && control::stdin_pollable(stdin_fd);
+    if tty && !stdin_ok {
+        log::info!("standard input cannot be polled (a file or /dev/null): no serial input");
+    }
     let inputs = Inputs {
         signal_fd: signals.as_raw_fd(),
-        stdin: tty.then_some(stdin_fd),
+        stdin: stdin_ok.then_some(stdin_fd),
     };
 
     let (server, receiver) = match &cl.api_socket {

@@ -78,17 +78,6 @@ pub struct Vmm {
     exit: Option<VmmExit>,
 }
 
-fn chain_of(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        s.push_str(": ");
-        s.push_str(&x.to_string());
-        src = x.source();
-    }
-    s
-}
-
 /// The status a pcow library error answers with.
 fn pcow_status(e: &pcow::Error) -> u16 {
     match e {
@@ -223,7 +212,7 @@ impl Vmm {
             let outcome = match self.vm.as_mut().and_then(|v| v.machine.as_mut()) {
                 Some(m) => match control::run(m, &self.inputs, api_fd) {
                     Ok(o) => o,
-                    Err(e) => Outcome::Failed(chain_of(&e)),
+                    Err(e) => Outcome::Failed(control::error_chain(&e)),
                 },
                 None => match self.wait_idle(api_fd) {
                     Ok(o) => o,
@@ -324,7 +313,7 @@ impl Vmm {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
             return Err(conflict(
-                "hot-plug of pmem devices into a running VM is not implemented: \
+                "hot-plug of pmem devices into a running VM is not supported: \
                  add the device before vm.boot or after vm.shutdown",
             ));
         }
@@ -342,7 +331,7 @@ impl Vmm {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
             return Err(conflict(
-                "hot-unplug from a running VM is not implemented: \
+                "hot-unplug from a running VM is not supported: \
                  remove the device before vm.boot or after vm.shutdown",
             ));
         }
@@ -506,18 +495,20 @@ impl Vmm {
             img.snapshot_apply(&r.snapshot)
                 .map_err(|e| ApiError::with_source(pcow_status(&e), "pmem rollback", &e))
         });
+        if let Ok(info) = &applied {
+            log::info!(
+                "pmem {}: rolled back to snapshot {} ({})",
+                r.id,
+                info.id,
+                info.tag
+            );
+        }
         if running {
             // Back up in any case: on the snapshot, or on the unchanged
             // image if the rollback failed.
             self.boot()?;
         }
         let info = applied?;
-        log::info!(
-            "pmem {}: rolled back to snapshot {} ({})",
-            r.id,
-            info.id,
-            info.tag
-        );
         Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
     }
 

@@ -471,18 +471,11 @@ impl PcowRegion {
     /// then the writable clusters become read-only history (mapped private,
     /// same content). No data is copied.
     pub fn snapshot_create(&self, tag: &str) -> Result<SnapshotInfo, BarrierError> {
-        let (info, _) = with_hold(&*self.quiesce, || {
-            let mut g = self.lock()?;
-            let dev = &mut *g;
-            dev.attached()?;
-            dev.pool.apply(&mut dev.region.image);
-            dev.region.barrier_held()?;
-            let info = dev.region.image.snapshot_create(tag)?;
-            dev.region.demote_shared()?;
-            dev.pool.request(&dev.region.image);
+        self.after_barrier(|region| {
+            let info = region.image.snapshot_create(tag)?;
+            region.demote_shared()?;
             Ok(info)
-        })?;
-        Ok(info)
+        })
     }
 
     /// Deletes snapshot `snap` (a tag or an id) of the running device. Only
@@ -490,17 +483,27 @@ impl PcowRegion {
     /// another snapshot) still uses it, so no mapping changes. A barrier
     /// runs first, so the deletion commits only durable data.
     pub fn snapshot_delete(&self, snap: &str) -> Result<SnapshotInfo, BarrierError> {
-        let (info, _) = with_hold(&*self.quiesce, || {
+        self.after_barrier(|region| Ok(region.image.snapshot_delete(snap)?))
+    }
+
+    /// Holds the writers, runs a barrier, then `op` on the region (so what
+    /// `op` commits to the image's metadata points only at durable data),
+    /// and refills the pool.
+    fn after_barrier<T>(
+        &self,
+        op: impl FnOnce(&mut RegionState) -> Result<T, BarrierError>,
+    ) -> Result<T, BarrierError> {
+        let (r, _) = with_hold(&*self.quiesce, || {
             let mut g = self.lock()?;
             let dev = &mut *g;
             dev.attached()?;
             dev.pool.apply(&mut dev.region.image);
             dev.region.barrier_held()?;
-            let info = dev.region.image.snapshot_delete(snap)?;
+            let r = op(&mut dev.region)?;
             dev.pool.request(&dev.region.image);
-            Ok(info)
+            Ok(r)
         })?;
-        Ok(info)
+        Ok(r)
     }
 
     /// Rollback replaces what the guest sees: refused while the device runs.
