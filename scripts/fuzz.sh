@@ -13,7 +13,8 @@
 # cov: edges and ft: features) per target.
 #
 # Environment: FUZZ_SANITIZER (address; none is faster and finds panics,
-# hangs and OOMs only), FUZZ_ARGS (more libFuzzer flags).
+# hangs and OOMs only), FUZZ_ARGS (more libFuzzer flags), FUZZ_LOG_SUFFIX
+# (logs go to fuzz/logs/SUFFIX/, for runs side by side).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -51,8 +52,9 @@ bash scripts/fuzz-seeds.sh
 
 echo "==> building the targets (sanitizer: $sanitizer)"
 (cd fuzz && cargo fuzz build -O -a -s "$sanitizer")
+bin_dir="$root/fuzz/target/x86_64-unknown-linux-gnu/release"
 
-logs="$root/fuzz/logs"
+logs="$root/fuzz/logs${FUZZ_LOG_SUFFIX:+/$FUZZ_LOG_SUFFIX}"
 mkdir -p "$logs"
 failed=()
 summary=()
@@ -61,8 +63,11 @@ for t in "${targets[@]}"; do
     log="$logs/$t.log"
     mkdir -p "fuzz/corpus/$t"
     rc=0
+    mkdir -p "fuzz/artifacts/$t"
+    # The binary built above, not `cargo fuzz run`: that would rebuild when
+    # the sources changed since, inside a long campaign.
     # shellcheck disable=SC2086
-    (cd fuzz && cargo fuzz run -O -a -s "$sanitizer" "$t" "corpus/$t" -- \
+    (cd fuzz && "$bin_dir/$t" "corpus/$t" -artifact_prefix="artifacts/$t/" \
         -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
         -max_len="$(max_len "$t")" -print_final_stats=1 ${FUZZ_ARGS:-}) \
         >"$log" 2>&1 || rc=$?
@@ -85,8 +90,13 @@ for t in "${targets[@]}"; do
     summary+=("$line")
 done
 
-# Scratch files of the chain and ops targets (tmpfs).
-rm -rf /dev/shm/pcow-fuzz "${TMPDIR:-/tmp}/pcow-fuzz" 2>/dev/null || true
+# Scratch files of the chain and ops targets (tmpfs), one directory per
+# fuzzer pid: only those of finished fuzzers go, as several runs of this
+# script may share the machine.
+for d in /dev/shm/pcow-fuzz/* "${TMPDIR:-/tmp}"/pcow-fuzz/*; do
+    [ -d "$d" ] || continue
+    kill -0 "${d##*/}" 2>/dev/null || rm -rf "$d"
+done
 
 echo
 echo "==> summary (${secs} s per target, sanitizer $sanitizer; logs in fuzz/logs/)"

@@ -8,7 +8,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use virtio_pmem_pcow::{FlushBackend, PmemDevice};
+use virtio_pmem_pcow::{FlushBackend, FlushError, PmemDevice};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -17,11 +17,16 @@ const MEM: usize = 64 << 10;
 struct Counting(u64);
 
 impl FlushBackend for Counting {
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    fn flush(&mut self) -> Result<(), FlushError> {
         self.0 += 1;
-        // Every other flush fails: the EIO path is served too.
+        // Every other flush fails (the EIO path), every third finds the
+        // disk full (the request stays queued, the device stalls).
+        if self.0 % 3 == 0 {
+            let e = std::io::Error::from_raw_os_error(28); // ENOSPC
+            return Err(FlushError::from_error(Box::new(e)));
+        }
         if self.0 % 2 == 0 {
-            return Err("injected".into());
+            return Err(FlushError::Failed("injected".into()));
         }
         Ok(())
     }
@@ -48,10 +53,20 @@ fuzz_target!(|data: &[u8]| {
     q.set_event_idx(data[4] & 1 == 1);
     q.set_ready(true);
     let mut dev = PmemDevice::new(1 << 32, 2 << 20, Counting(0));
-    // Twice: the second pass sees the used ring the first one wrote.
-    for _ in 0..2 {
+    // Several passes: each sees the used ring the last one wrote; a
+    // stalled device serves nothing until unstalled.
+    for _ in 0..3 {
         let _ = dev.process_queue(&mem, &mut q);
+        if dev.stalled().is_some() {
+            let before = dev.backend_mut().0;
+            let _ = dev.process_queue(&mem, &mut q);
+            assert_eq!(dev.backend_mut().0, before, "a stalled device flushed");
+            dev.unstall();
+        }
     }
     let m = dev.metrics();
-    assert_eq!(m.flushes + m.flush_errors, dev.backend_mut().0);
+    assert_eq!(
+        m.flushes + m.flush_errors + m.flush_stalls,
+        dev.backend_mut().0
+    );
 });

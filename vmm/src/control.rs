@@ -11,6 +11,11 @@
 //! | standard input (`--serial tty`) | bytes for the serial port |
 //! | the API eventfd | return: the VMM serves the requests, then runs the loop again |
 //!
+//! After a fault or a queue was served, a device that found its file
+//! system full (a FLUSH waits in its queue, or a write fault got no
+//! cluster) ends the loop with [`Outcome::OutOfSpace`]: the VMM pauses the
+//! guest until `vm.resume` finds space (QEMU's `werror=enospc`).
+//!
 //! [`run`] returns why the machine should end; [`stop`] then stops the
 //! vCPUs (still serving the monitors, so that a vCPU blocked in a fault
 //! can leave) and runs the final barriers.
@@ -38,6 +43,8 @@ pub enum Outcome {
     Failed(String),
     /// The API has requests queued (the machine keeps running).
     Api,
+    /// A pmem device waits for free space: pause the guest.
+    OutOfSpace(String),
 }
 
 /// Errors of the loop's own machinery.
@@ -251,6 +258,7 @@ pub fn run(
             }
         };
         pending.feed(m);
+        let mut pmem_served = false;
         for ev in &events[..n] {
             let Some(&token) = reg.tokens.get(ev.data() as usize) else {
                 continue;
@@ -260,8 +268,10 @@ pub fn run(
                     if let Err(e) = serve_monitor(m, dev, fd) {
                         return Ok(Outcome::Failed(e));
                     }
+                    pmem_served = true;
                 }
                 Token::Notify { dev, queue } => {
+                    pmem_served = true;
                     let p = &m.pmem[dev];
                     if let Some(fd) = p.notify.get(usize::from(queue)) {
                         let _ = fd.read();
@@ -328,6 +338,11 @@ pub fn run(
                         }
                     }
                 }
+            }
+        }
+        if pmem_served && m.pause_reason.is_none() {
+            if let Some(why) = m.out_of_space() {
+                return Ok(Outcome::OutOfSpace(why));
             }
         }
     }

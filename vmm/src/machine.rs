@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
 use virtio_pmem_pcow::{
-    BarrierError, BarrierStats, FlushBackend, Monitor, PcowRegion, PmemDevice, RawRegion,
-    RegionOptions,
+    BarrierError, BarrierStats, FlushBackend, FlushError, Monitor, PcowRegion, PmemDevice,
+    RawRegion, RegionOptions,
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -128,8 +128,8 @@ impl PmemBackend {
 }
 
 impl FlushBackend for PmemBackend {
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        self.barrier().map(|_| ())
+    fn flush(&mut self) -> Result<(), FlushError> {
+        self.barrier().map(|_| ()).map_err(FlushError::from_error)
     }
 }
 
@@ -182,6 +182,48 @@ impl Pmem {
             PmemBackend::Pcow(_, n) => n.load(Ordering::Relaxed),
             PmemBackend::Raw(_) => 0,
         }
+    }
+
+    /// Why the guest must wait for free space on this device, if it must:
+    /// a FLUSH stalled in the queue, or a write fault that got no cluster.
+    pub fn out_of_space(&self) -> Option<String> {
+        let stalled = self
+            .virtio
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stalled();
+        if let Some(why) = stalled {
+            return Some(format!("pmem {}: flush: {why}", self.id));
+        }
+        let region = self.pcow()?;
+        match region.out_of_space() {
+            Ok(why) => why.map(|w| format!("pmem {}: {w}", self.id)),
+            Err(e) => Some(format!("pmem {}: {e}", self.id)),
+        }
+    }
+
+    /// After space was freed: a barrier moves what the guest wrote while
+    /// the file system was full into the image, then a stalled FLUSH is
+    /// retried and answered. Fails (and changes nothing the guest sees)
+    /// while there is still no space. Call with the vCPUs held.
+    pub fn retry_out_of_space(&self) -> Result<(), String> {
+        if self.pcow().is_some() {
+            if let Some(Err(e)) = self.barrier() {
+                return Err(format!(
+                    "pmem {}: {}",
+                    self.id,
+                    crate::control::error_chain(&e)
+                ));
+            }
+        }
+        let mut v = self.virtio.lock().unwrap_or_else(|e| e.into_inner());
+        if v.stalled().is_some() {
+            v.unstall();
+            if let Some(why) = v.stalled() {
+                return Err(format!("pmem {}: flush: {why}", self.id));
+            }
+        }
+        Ok(())
     }
 
     /// A host-initiated barrier on a pcow device (an API flush); `None`
@@ -278,6 +320,9 @@ pub struct Machine {
     pub vcpu_exit: Arc<EventFd>,
     /// Pause/resume of the vCPUs (the pmem barriers hold them through it).
     pub ctl: Arc<VcpuControl>,
+    /// Why the VMM paused the guest by itself (a pmem device found its
+    /// file system full), until `vm.resume` finds space again.
+    pub pause_reason: Option<String>,
     bus: Arc<Mutex<PciBus>>,
     ports: crate::legacy::ports::PortBus,
     _router: Arc<GsiRouter>,
@@ -499,6 +544,7 @@ impl Machine {
             power,
             vcpu_exit: Arc::new(EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?),
             ctl,
+            pause_reason: None,
             bus,
             ports,
             _router: router,
@@ -557,6 +603,11 @@ impl Machine {
     /// Asks every vCPU to stop (they leave `KVM_RUN` at the kick).
     pub fn stop_vcpus(&self) {
         self.ctl.stop();
+    }
+
+    /// The first device that waits for free space, and why.
+    pub fn out_of_space(&self) -> Option<String> {
+        self.pmem.iter().find_map(Pmem::out_of_space)
     }
 
     /// Runs the barrier of every device (raw: fsync). Errors are logged and

@@ -233,9 +233,51 @@ impl Vmm {
                         self.exit = Some(VmmExit::Failed(e.chain.join(": ")));
                     }
                 }
+                Outcome::OutOfSpace(why) => self.pause_for_space(why),
                 Outcome::Failed(msg) => self.exit = Some(VmmExit::Failed(msg)),
             }
         }
+    }
+
+    /// A pmem device found its file system full: the guest pauses (its
+    /// writes wait in memory, a FLUSH waits in the queue) until `vm.resume`
+    /// finds space again. Nothing is answered with an error and nothing
+    /// is lost.
+    fn pause_for_space(&mut self, why: String) {
+        let Some(vm) = self.vm.as_mut() else { return };
+        let Some(m) = vm.machine.as_mut() else { return };
+        if vm.state == VmState::Running {
+            m.ctl.pause();
+            vm.state = VmState::Paused;
+        }
+        log::warn!("VM paused: {why}; free space, then vm.resume");
+        m.pause_reason = Some(why);
+    }
+
+    /// `vm.resume`: after a pause for space, the devices first move what
+    /// waited into their images; the guest stays paused if they cannot.
+    fn resume(&mut self) -> ApiResult {
+        let vm = self.vm_mut()?;
+        let (Some(m), VmState::Paused) = (vm.machine.as_mut(), vm.state) else {
+            return Err(conflict(format!(
+                "the VM is {}, not Paused",
+                vm.state.name()
+            )));
+        };
+        if let Some(why) = m.pause_reason.clone() {
+            for p in &m.pmem {
+                p.retry_out_of_space().map_err(|e| {
+                    conflict(format!(
+                        "the VM stays paused: still out of space: {e} (paused for: {why})"
+                    ))
+                })?;
+            }
+            log::info!("space found again: the VM resumes");
+            m.pause_reason = None;
+        }
+        m.ctl.resume();
+        vm.state = VmState::Running;
+        Ok(None)
     }
 
     /// Stops and boots again.
@@ -301,9 +343,11 @@ impl Vmm {
                 json!({"id": id, "resources": [], "parent": null, "children": [], "pci_bdf": bdf}),
             );
         }
+        let pause_reason = vm.machine.as_ref().and_then(|m| m.pause_reason.clone());
         Ok(Some(json!({
             "config": vm.config,
             "state": vm.state.name(),
+            "pause_reason": pause_reason,
             "memory_actual_size": vm.config.memory.size,
             "device_tree": tree,
         })))
@@ -573,6 +617,7 @@ impl Vmm {
                 "chain": null,
                 "pending_private_pages": null,
                 "barriers": live.map(|p| p.barriers()),
+                "out_of_space": live.and_then(Pmem::out_of_space),
                 "expansions": null,
             });
             let is_pcow = std::fs::File::open(&c.file)
@@ -644,20 +689,7 @@ impl RequestHandler for Vmm {
                     ))),
                 }
             }
-            ApiRequest::VmResume => {
-                let vm = self.vm_mut()?;
-                match (&vm.machine, vm.state) {
-                    (Some(m), VmState::Paused) => {
-                        m.ctl.resume();
-                        vm.state = VmState::Running;
-                        Ok(None)
-                    }
-                    _ => Err(conflict(format!(
-                        "the VM is {}, not Paused",
-                        vm.state.name()
-                    ))),
-                }
-            }
+            ApiRequest::VmResume => self.resume(),
             ApiRequest::VmShutdown => {
                 self.running()?;
                 self.stop_machine()

@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use virtio_pmem_pcow::{FlushBackend, PmemDevice};
+use virtio_pmem_pcow::{FlushBackend, FlushError, PmemDevice};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::pci::bus::{CONFIG_ADDRESS_PORT, CONFIG_DATA_PORT};
 use vmm::pci::virtio_pci::{NOTIFY_OFFSET, NO_VECTOR};
@@ -75,7 +75,7 @@ impl Sink {
 struct Backend(Arc<Mutex<u32>>);
 
 impl FlushBackend for Backend {
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    fn flush(&mut self) -> Result<(), FlushError> {
         *self.0.lock().unwrap() += 1;
         Ok(())
     }

@@ -195,8 +195,45 @@ pub struct BarrierStats {
     pub held: Duration,
 }
 
-/// Pages to move: (vcn, sorted page indices in the cluster).
-type Harvest = Vec<(u64, Vec<u32>)>;
+/// Pages to move: (vcn, sorted page indices in the cluster), sorted by vcn.
+pub(crate) type Harvest = Vec<(u64, Vec<u32>)>;
+
+/// Merges `more` into `into` (both sorted by vcn, pages sorted and
+/// unique): the result is sorted, each page once.
+fn merge_harvest(into: &mut Harvest, more: Harvest) {
+    if more.is_empty() {
+        return;
+    }
+    let mut pages: Vec<(u64, u32)> = into
+        .drain(..)
+        .chain(more)
+        .flat_map(|(vcn, list)| list.into_iter().map(move |p| (vcn, p)))
+        .collect();
+    pages.sort_unstable();
+    pages.dedup();
+    for (vcn, page) in pages {
+        match into.last_mut() {
+            Some((v, list)) if *v == vcn => list.push(page),
+            _ => into.push((vcn, vec![page])),
+        }
+    }
+}
+
+/// Whether an error (or one of its sources) is the file system being out
+/// of space (ENOSPC) or quota (EDQUOT): the condition a VMM answers by
+/// pausing the guest until space is freed, like QEMU's `werror=enospc`.
+pub fn is_out_of_space(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+                return true;
+            }
+        }
+        cur = err.source();
+    }
+    false
+}
 
 impl RegionState {
     /// Maximal runs `[first, end)` of clusters in `state`.
@@ -295,7 +332,8 @@ impl RegionState {
         Ok(runs)
     }
 
-    /// Private pages not yet moved into the image. Without write tracking,
+    /// Private pages not yet moved into the image (pages a failed barrier
+    /// left may count twice: an upper bound). Without write tracking,
     /// every private page counts (also those already in the image); with
     /// the pagemap read fallback, zero pages of zero-mapped holes too (an
     /// upper bound).
@@ -309,7 +347,8 @@ impl RegionState {
         } else {
             self.written_runs()?
         };
-        Ok(runs.iter().map(|(a, b)| (b - a) / PAGE_SIZE).sum())
+        let unsaved: usize = self.unsaved.iter().map(|(_, p)| p.len()).sum();
+        Ok(runs.iter().map(|(a, b)| (b - a) / PAGE_SIZE).sum::<u64>() + unsaved as u64)
     }
 
     /// Whether the page at region offset `off` is all zeros.
@@ -379,18 +418,45 @@ impl RegionState {
     ///   the rest still reads from below) and keeps its private mapping, so
     ///   the guest keeps its pages; once the writable layer holds every
     ///   page, the cluster is remapped shared.
+    ///
+    /// A barrier that fails commits nothing and keeps what it harvested for
+    /// the next one ([`RegionState::unsaved`]), so a later barrier that
+    /// succeeds moves every page written before it.
     pub(crate) fn barrier_held(&mut self) -> Result<BarrierStats, BarrierError> {
         let mut stats = BarrierStats::default();
-        let cs = self.cs;
         let t = Instant::now();
-        let harvest = self.harvest(&mut stats)?;
+        let mut harvest = self.harvest(&mut stats)?;
+        merge_harvest(&mut harvest, std::mem::take(&mut self.unsaved));
         stats.scan = t.elapsed();
+        match self.move_and_commit(&harvest, &mut stats) {
+            Ok(()) => {
+                self.out_of_space = None;
+                Ok(stats)
+            }
+            Err(e) => {
+                self.unsaved = harvest;
+                Err(e)
+            }
+        }
+    }
+
+    /// Moves the harvested pages into the writable layer and commits.
+    fn move_and_commit(
+        &mut self,
+        harvest: &Harvest,
+        stats: &mut BarrierStats,
+    ) -> Result<(), BarrierError> {
+        let cs = self.cs;
         let npages = (cs / PAGE_SIZE) as usize;
         let t = Instant::now();
         for (vcn, pages) in harvest {
+            let (vcn, pages) = (*vcn, pages.as_slice());
             let state = self.clusters[vcn as usize];
             match state {
                 ClusterState::Zero | ClusterState::Private => {}
+                // Carried over from a failed barrier that had already
+                // moved the cluster and mapped it shared: in the image.
+                ClusterState::Shared => continue,
                 // Shared clusters have no private pages and holes have no
                 // pages at all; anything else is a bookkeeping bug.
                 other => {
@@ -410,7 +476,7 @@ impl RegionState {
                 self.copy_out(vcn, fd, ac.file_offset, 0, cs)?;
                 self.image.record_pages(vcn, 0, npages)?;
                 stats.pages_copied += npages as u64;
-                self.remap_shared(vcn, fd, ac.file_offset, &mut stats)?;
+                self.remap_shared(vcn, fd, ac.file_offset, stats)?;
             } else {
                 let mut i = 0;
                 while i < pages.len() {
@@ -430,7 +496,7 @@ impl RegionState {
                 // the region shows (each page was copied when last
                 // written), so a shared mapping changes nothing.
                 if self.image.active_cluster(vcn)?.whole {
-                    self.remap_shared(vcn, fd, ac.file_offset, &mut stats)?;
+                    self.remap_shared(vcn, fd, ac.file_offset, stats)?;
                 }
             }
             stats.clusters_copied += 1;
@@ -442,7 +508,7 @@ impl RegionState {
         self.image.mark_data_written();
         self.image.flush()?;
         stats.commit = t.elapsed();
-        Ok(stats)
+        Ok(())
     }
 
     /// Maps cluster `vcn` shared from the top file at `file_offset`, whose

@@ -17,11 +17,34 @@ pub const QUEUE_SIZE: u16 = 256;
 /// Size of the config space: `{ le64 start; le64 size; }`.
 pub const CONFIG_SIZE: usize = 16;
 
+/// Why a flush did not complete.
+#[derive(Debug)]
+pub enum FlushError {
+    /// The barrier failed: the guest is answered EIO.
+    Failed(Box<dyn std::error::Error + Send + Sync>),
+    /// The file system is full: the request stays in the queue, unanswered,
+    /// and the device stalls until [`PmemDevice::unstall`]; the VMM pauses
+    /// the guest meanwhile and retries once space was freed (QEMU's
+    /// `werror=enospc`: the guest never sees the error).
+    NoSpace(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl FlushError {
+    /// Sorts a barrier's error: out of space stalls, anything else fails.
+    pub fn from_error(e: Box<dyn std::error::Error + Send + Sync>) -> FlushError {
+        if crate::barrier::is_out_of_space(&*e) {
+            FlushError::NoSpace(e)
+        } else {
+            FlushError::Failed(e)
+        }
+    }
+}
+
 /// Makes the device's region durable: fsync for a raw file, a pcow
 /// barrier for an image.
 pub trait FlushBackend {
     /// Runs a barrier. The device answers the guest only after it returns.
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
+    fn flush(&mut self) -> Result<(), FlushError>;
 }
 
 /// Counters the VMM reports (and that keep guest-triggered logging bounded).
@@ -37,6 +60,9 @@ pub struct Metrics {
     pub malformed_chains: u64,
     /// Chains whose response could not be written.
     pub response_errors: u64,
+    /// FLUSH requests left in the queue because the file system was full
+    /// (each retry counts).
+    pub flush_stalls: u64,
 }
 
 /// Errors that stop queue processing (the queue itself is broken).
@@ -54,6 +80,8 @@ pub struct PmemDevice<B> {
     size: u64,
     backend: B,
     metrics: Metrics,
+    /// Set while a FLUSH waits for space: the queue is not served.
+    stalled: Option<String>,
 }
 
 impl<B: FlushBackend> PmemDevice<B> {
@@ -64,6 +92,7 @@ impl<B: FlushBackend> PmemDevice<B> {
             size,
             backend,
             metrics: Metrics::default(),
+            stalled: None,
         }
     }
 
@@ -103,8 +132,23 @@ impl<B: FlushBackend> PmemDevice<B> {
         &mut self.backend
     }
 
+    /// Why the queue is stalled: a FLUSH found the file system full and
+    /// waits, unanswered, in the queue.
+    pub fn stalled(&self) -> Option<&str> {
+        self.stalled.as_deref()
+    }
+
+    /// Lets the queue be served again (the next [`process_queue`] retries
+    /// the FLUSH that stalled it). Call once space was freed.
+    ///
+    /// [`process_queue`]: PmemDevice::process_queue
+    pub fn unstall(&mut self) {
+        self.stalled = None;
+    }
+
     /// Serves every available request. Returns whether the used ring
-    /// changed and the driver should be notified.
+    /// changed and the driver should be notified. A stalled device serves
+    /// nothing.
     pub fn process_queue<M, Q>(&mut self, mem: M, queue: &mut Q) -> Result<bool, DeviceError>
     where
         M: Deref + Clone,
@@ -112,7 +156,10 @@ impl<B: FlushBackend> PmemDevice<B> {
         Q: QueueT,
     {
         let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem.clone()) {
+        while self.stalled.is_none() {
+            let Some(chain) = queue.pop_descriptor_chain(mem.clone()) else {
+                break;
+            };
             let head = chain.head_index();
             let len = match parse(chain) {
                 Ok(req) => {
@@ -122,9 +169,22 @@ impl<B: FlushBackend> PmemDevice<B> {
                                 self.metrics.flushes += 1;
                                 RESP_OK
                             }
-                            Err(e) => {
+                            Err(FlushError::NoSpace(e)) => {
+                                // Put the request back: it is popped again
+                                // (and the barrier retried) after `unstall`.
+                                queue.set_next_avail(queue.next_avail().wrapping_sub(1));
+                                self.metrics.flush_stalls += 1;
+                                let msg = crate::monitor::error_chain(&*e);
+                                log::warn!("virtio-pmem flush waits for space: {msg}");
+                                self.stalled = Some(msg);
+                                break;
+                            }
+                            Err(FlushError::Failed(e)) => {
                                 self.metrics.flush_errors += 1;
-                                log::error!("virtio-pmem flush failed: {e}");
+                                log::error!(
+                                    "virtio-pmem flush failed: {}",
+                                    crate::monitor::error_chain(&*e)
+                                );
                                 RESP_EIO
                             }
                         },

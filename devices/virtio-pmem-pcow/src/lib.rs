@@ -33,8 +33,10 @@ pub mod region;
 pub mod request;
 mod uffd;
 
-pub use barrier::{BarrierError, BarrierStats, Quiesce, WriteGate};
-pub use device::{FlushBackend, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE};
+pub use barrier::{is_out_of_space, BarrierError, BarrierStats, Quiesce, WriteGate};
+pub use device::{
+    FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE,
+};
 pub use monitor::{FaultCounters, Monitor, MonitorError};
 pub use pcow_device::{OverlayError, OverlayInfo, PcowRegion, Status};
 pub use pool::{PoolOptions, PoolStatus};

@@ -411,10 +411,14 @@ impl RegionState {
                                 source: Box::new(z),
                             })?;
                         self.clusters[vcn as usize] = ClusterState::Zero;
-                        Ok(Resolved::Fallback(format!(
+                        let msg = format!(
                             "cluster {vcn}: no cluster for a write fault, zeros mapped: {}",
                             error_chain(&*e)
-                        )))
+                        );
+                        if crate::barrier::is_out_of_space(&*e) && self.out_of_space.is_none() {
+                            self.out_of_space = Some(msg.clone());
+                        }
+                        Ok(Resolved::Fallback(msg))
                     }
                 }
             }

@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 use pcow::{BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, OpenOptions, SnapshotInfo};
 
 use crate::barrier::{hold, with_hold, BarrierError, BarrierStats, Quiesce};
-use crate::device::FlushBackend;
+use crate::device::{FlushBackend, FlushError};
 use crate::monitor::{error_chain, FaultCounters, Monitor};
 use crate::pool::{PoolCtl, PoolOptions, PoolStatus, DEFAULT_POOL_BYTES};
 use crate::region::{vmas_in, ClusterState, RegionError, RegionOptions, RegionState};
@@ -147,6 +147,9 @@ pub struct Status {
     /// Set when the device lost its writable image (a failed overlay whose
     /// rollback could not reopen the old image): barriers fail.
     pub detached: Option<String>,
+    /// Why a write fault found the file system full since the last barrier
+    /// that succeeded ([`PcowRegion::out_of_space`]).
+    pub out_of_space: Option<String>,
 }
 
 /// What a live overlay did.
@@ -544,6 +547,14 @@ impl PcowRegion {
         })
     }
 
+    /// Why a write fault could not get a cluster because the file system
+    /// is full, if one could not since the last barrier that succeeded.
+    /// The guest's writes there are held in memory until a barrier moves
+    /// them: a VMM pauses the guest until space is freed.
+    pub fn out_of_space(&self) -> Result<Option<String>, BarrierError> {
+        Ok(self.lock()?.region.out_of_space.clone())
+    }
+
     /// Status for the API (does not hold writers).
     pub fn status(&self) -> Result<Status, BarrierError> {
         let mut g = self.lock()?;
@@ -576,6 +587,7 @@ impl PcowRegion {
             pool_error: dev.pool.error(),
             overlays: dev.overlays,
             detached: dev.detached.clone(),
+            out_of_space: st.out_of_space.clone(),
         })
     }
 }
@@ -833,8 +845,9 @@ fn recover(
 }
 
 impl FlushBackend for PcowRegion {
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        self.barrier()?;
-        Ok(())
+    fn flush(&mut self) -> Result<(), FlushError> {
+        self.barrier()
+            .map(|_| ())
+            .map_err(|e| FlushError::from_error(Box::new(e)))
     }
 }

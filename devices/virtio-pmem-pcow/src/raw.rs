@@ -6,7 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use crate::device::FlushBackend;
+use crate::device::{FlushBackend, FlushError};
 
 /// Errors of [`RawRegion::open`].
 #[allow(missing_docs)] // the messages document the variants
@@ -178,8 +178,7 @@ impl RawRegion {
 }
 
 impl FlushBackend for RawRegion {
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        self.sync()?;
-        Ok(())
+    fn flush(&mut self) -> Result<(), FlushError> {
+        self.sync().map_err(|e| FlushError::from_error(Box::new(e)))
     }
 }

@@ -452,6 +452,13 @@ pub(crate) struct RegionState {
     pub(crate) faults: FaultCounters,
     /// Mappings estimated when the region was built.
     pub(crate) planned_vmas: u64,
+    /// Pages a failed barrier harvested but did not commit. With write
+    /// tracking the harvest re-protected them, so no later scan reports
+    /// them again: the next barrier moves them as well.
+    pub(crate) unsaved: crate::barrier::Harvest,
+    /// Why a write fault got zeros instead of a cluster because the file
+    /// system is full (ENOSPC, EDQUOT); cleared by a barrier that succeeds.
+    pub(crate) out_of_space: Option<String>,
 }
 
 impl Drop for RegionState {
@@ -574,6 +581,8 @@ impl RegionState {
             scanner,
             faults: FaultCounters::default(),
             planned_vmas,
+            unsaved: Vec::new(),
+            out_of_space: None,
         };
         st.start_tracking(!opts.pagemap_read_fallback);
         Ok(st)

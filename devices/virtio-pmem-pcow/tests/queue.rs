@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-use virtio_pmem_pcow::{FlushBackend, Metrics, PmemDevice, RawError, RawRegion};
+use virtio_pmem_pcow::{FlushBackend, FlushError, Metrics, PmemDevice, RawError, RawRegion};
 use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
@@ -23,10 +23,10 @@ struct Backend {
 }
 
 impl FlushBackend for Backend {
-    fn flush(&mut self) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    fn flush(&mut self) -> Result<(), FlushError> {
         *self.calls.lock().unwrap() += 1;
         if self.fail {
-            return Err("injected I/O error".into());
+            return Err(FlushError::Failed("injected I/O error".into()));
         }
         Ok(())
     }
@@ -272,4 +272,63 @@ fn raw_region_shared_reaches_the_file_and_discard_writes_does_not() {
         RawRegion::open(&p, false),
         Err(RawError::Empty { .. })
     ));
+}
+
+/// Out of space on the first flush, fine afterwards.
+struct FullOnce(u32);
+
+impl FlushBackend for FullOnce {
+    fn flush(&mut self) -> Result<(), FlushError> {
+        self.0 += 1;
+        if self.0 == 1 {
+            let e = std::io::Error::from_raw_os_error(libc::ENOSPC);
+            return Err(FlushError::from_error(Box::new(e)));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_full_disk_leaves_the_flush_queued_until_unstall() {
+    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM as usize)]).unwrap();
+    let vq = MockSplitQueue::new(&mem, 16);
+    for (i, resp) in [RESP, RESP + 0x100].into_iter().enumerate() {
+        let i = 2 * i as u16;
+        let chain = [
+            RawDescriptor::from(SplitDescriptor::new(
+                REQ,
+                4,
+                VRING_DESC_F_NEXT as u16,
+                i + 1,
+            )),
+            RawDescriptor::from(SplitDescriptor::new(resp, 4, W, 0)),
+        ];
+        vq.add_desc_chains(&chain, i).unwrap();
+        mem.write_obj(UNTOUCHED, GuestAddress(resp)).unwrap();
+    }
+    let mut q: Queue = vq.create_queue().unwrap();
+    let mut dev = PmemDevice::new(0x1_0000_0000, 0x20_0000, FullOnce(0));
+    // The first FLUSH finds the disk full: nothing is answered, the
+    // request stays available, the second is not even looked at.
+    assert!(!dev.process_queue(&mem, &mut q).unwrap());
+    assert_eq!(vq.used().idx().load(), 0);
+    let why = dev.stalled().expect("stalled").to_owned();
+    assert!(why.contains("No space left on device"), "{why}");
+    assert_eq!(dev.metrics().flush_stalls, 1);
+    assert_eq!(mem.read_obj::<u32>(GuestAddress(RESP)).unwrap(), UNTOUCHED);
+    // While stalled, notifications serve nothing.
+    assert!(!dev.process_queue(&mem, &mut q).unwrap());
+    assert_eq!(dev.backend_mut().0, 1);
+    // Space was freed: the same request is retried and both are answered
+    // OK, in order.
+    dev.unstall();
+    assert!(dev.process_queue(&mem, &mut q).unwrap());
+    assert_eq!(vq.used().idx().load(), 2);
+    assert_eq!(vq.used().ring().ref_at(0).unwrap().load().id(), 0);
+    assert_eq!(vq.used().ring().ref_at(1).unwrap().load().id(), 2);
+    assert_eq!(mem.read_obj::<u32>(GuestAddress(RESP)).unwrap(), 0);
+    assert_eq!(mem.read_obj::<u32>(GuestAddress(RESP + 0x100)).unwrap(), 0);
+    let m = dev.metrics();
+    assert_eq!((m.flushes, m.flush_errors, m.flush_stalls), (2, 0, 1));
+    assert!(dev.stalled().is_none());
 }

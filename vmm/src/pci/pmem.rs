@@ -102,5 +102,14 @@ impl<B: FlushBackend + Send> VirtioDevice for PmemVirtio<B> {
 
     fn reset(&mut self) {
         self.active = None;
+        self.device.unstall();
+    }
+
+    fn stalled(&self) -> Option<String> {
+        self.device.stalled().map(str::to_owned)
+    }
+
+    fn unstall(&mut self) {
+        self.device.unstall();
     }
 }

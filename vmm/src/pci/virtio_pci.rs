@@ -171,6 +171,16 @@ pub trait VirtioDevice: Send {
     fn process_queue(&mut self, index: u16) -> Result<bool, VirtioError>;
     /// Device reset: drop the queues (the device may be activated again).
     fn reset(&mut self);
+    /// Why the device stopped serving its queues until [`unstall`] (a
+    /// request waits for a host condition, such as free space); `None`
+    /// by default.
+    ///
+    /// [`unstall`]: VirtioDevice::unstall
+    fn stalled(&self) -> Option<String> {
+        None
+    }
+    /// Lets a stalled device serve its queues again.
+    fn unstall(&mut self) {}
 }
 
 /// Per-queue registers as the driver programs them.
@@ -455,6 +465,20 @@ impl VirtioPciDevice {
                 log::error!("virtio-pci: device type {}: {e}", self.device.device_type());
                 self.set_needs_reset();
             }
+        }
+    }
+
+    /// Why the device stopped serving its queues, if it did.
+    pub fn stalled(&self) -> Option<String> {
+        self.device.stalled()
+    }
+
+    /// Lets a stalled device go on, and serves every queue (the request
+    /// that stalled it first).
+    pub fn unstall(&mut self) {
+        self.device.unstall();
+        for q in 0..self.queues.len() as u16 {
+            self.notify_queue(q);
         }
     }
 
