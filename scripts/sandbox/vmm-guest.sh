@@ -9,10 +9,13 @@
 #                      s5loop s5verify (+ l2.n=N) | s6raw s6discard |
 #                      s7reboot (+ l2.tag=T) s7loop s7verify (+ l2.n=N) |
 #                      s8two | s9loop s9reset (+ l2.n=N) |
+#                      s10fill s10verify (+ l2.n=BYTES) |
+#                      s11loop (+ l2.tag=ITERATION l2.list=K:N,...) s11verify (+ l2.list) |
 #                      bench (nothing: vmm-bench.sh)
 # Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
 # SYNCED n (s5loop, s7loop, s9loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
-# GUEST-PMEM-SIZES (s8two), GUEST-S9-WAIT-RESET (s9reset). Exit status 0 when
+# GUEST-PMEM-SIZES (s8two), GUEST-S9-WAIT-RESET (s9reset), S11-VERIFIED
+# files=N bad=M (s11loop, s11verify). Exit status 0 when
 # the guest-side checks passed.
 # The file contents are generated (gen TEXT BYTES), so that L1 and the host
 # can regenerate them: keep gen in step with vmm-scenarios.sh.
@@ -20,8 +23,10 @@ M=/mnt/pmem
 scenario=
 tag=
 n=0
+list=none
 for w in $(cat /proc/cmdline); do
     case $w in
+        l2.list=*) list=${w#*=} ;;
         l2.scenario=*) scenario=${w#*=} ;;
         l2.tag=*) tag=${w#*=} ;;
         l2.n=*) n=${w#*=} ;;
@@ -82,6 +87,32 @@ synced_bad() {
         j=$((j + 1))
     done
     echo $b
+}
+
+s11size() { echo $((1024 + ($1 * 7919) % 12000)); }
+# s11_verify LIST: LIST is "K:N,K:N,..." (or none): iteration K of the kill
+# campaign reported N files synced, K-1..K-N, each gen "s11 K J" (s11size
+# J). Prints S11-VERIFIED with the count of files checked and of bad ones;
+# fails when one is lost or wrong.
+s11_verify() {
+    bad=0
+    total=0
+    for kn in $(echo "$1" | tr ',' ' '); do
+        [ "$kn" = none ] && continue
+        k=${kn%:*}
+        c=${kn#*:}
+        j=1
+        while [ $j -le "$c" ]; do
+            total=$((total + 1))
+            if ! same $M/$k-$j "s11 $k $j" "$(s11size $j)"; then
+                echo "GUEST: $k-$j lost or wrong ($(ls -l $M/$k-$j 2>&1))" >&2
+                bad=$((bad + 1))
+            fi
+            j=$((j + 1))
+        done
+    done
+    echo "S11-VERIFIED files=$total bad=$bad"
+    [ $bad -eq 0 ]
 }
 
 case $scenario in
@@ -297,6 +328,43 @@ case $scenario in
         same $M1/s8-raw.bin "s8 raw" 300000 || fail "pmem1: s8-raw.bin not read back"
         umount $M1 || fail "umount /dev/pmem1"
         ok "wrote to both devices"
+        ;;
+    s10fill)
+        # L1 gave the image a file system too small for this file: the VMM
+        # pauses the guest when the image cannot grow, L1 frees space and
+        # resumes it. The guest never sees an error.
+        need_dax
+        [ "$n" -gt 0 ] || fail "l2.n (bytes) missing"
+        gen "s10 big" "$n" >$M/big.bin || fail "writing big.bin"
+        sync || fail "sync"
+        same $M/big.bin "s10 big" "$n" || fail "big.bin reads back wrong"
+        ok "wrote, synced and read back big.bin ($n bytes)"
+        ;;
+    s10verify)
+        need_dax
+        same $M/big.bin "s10 big" "$n" || fail "big.bin lost or wrong on the next boot"
+        ok "big.bin intact ($n bytes)"
+        ;;
+    s11loop)
+        # The kill campaign: first every file earlier iterations reported
+        # synced, then files TAG-1, TAG-2, ... each synced, until the VMM is
+        # killed.
+        need_dax
+        [ -n "$tag" ] || fail "no l2.tag"
+        s11_verify "$list" || fail "files reported synced are lost or wrong"
+        j=1
+        while [ $j -le 400 ]; do
+            gen "s11 $tag $j" "$(s11size $j)" >$M/$tag-$j
+            sync
+            echo "SYNCED $j"
+            j=$((j + 1))
+        done
+        fail "not killed after 400 synced files"
+        ;;
+    s11verify)
+        need_dax
+        s11_verify "$list" || fail "files reported synced are lost or wrong"
+        ok "every file reported synced is intact"
         ;;
     bench) ;;
     *)

@@ -678,6 +678,224 @@ sc9() {
     note="$lnote; rollback without reset refused ($(head -n1 $L/api-rollback-noreset.err | cut -c1-60)...), --reset: same VMM (pid $pid), state Running, boot 2 saw s3's f1..f$rec_s3, exit 0"
 }
 
+# ---- scenario 10: a full file system pauses the guest ---------------------------
+# The image lives on a tmpfs with room for the image and about 10 MiB more; the
+# guest writes S10_BYTES into one file. The VMM must pause the guest (state
+# Paused, pause_reason and the device's out_of_space set), a resume while the
+# file system is still full must be refused with the guest still paused, and
+# after L1 grows the tmpfs, resume must let the guest finish: the file is
+# complete and synced, check clean, and a second boot reads it back.
+S10FS=/tmp/s10fs
+s10_paused() {
+    ./ch-remote --api-socket $SOCK --timeout 10 info >$L/s10-poll.out 2>&1 || return 1
+    tr -d ' \n\r' <$L/s10-poll.out | grep -q '"state":"Paused"' || return 1
+    tr -d ' \n\r' <$L/s10-poll.out | grep -q '"pause_reason":"[^"]'
+}
+sc10_api() {
+    until_ 60 test -S $SOCK || { why="s10-fill: no API socket$(guest_said s10-fill)"; return 1; }
+    until_ $BOOT_TIMEOUT s10_paused || { why="s10-fill: the VM never paused for space (the guest: $(guest_said s10-fill); last info: $(tr -d ' \n\r' <$L/s10-poll.out | cut -c1-200))"; return 1; }
+    api s10-info-paused info
+    reason=$(tr -d '\n\r' <$L/api-s10-info-paused.out | sed -n 's/.*"pause_reason": *"\([^"]*\)".*/\1/p')
+    echo "VMMSC-INFO 10 pause_reason='$(echo "$reason" | cut -c1-160)' fs_used_kib=$(df -k $S10FS | awk 'NR == 2 { print $3 }') image_bytes=$(stat -c %s $S10FS/s10.pcow)"
+    echo "$reason" | grep -q 'No space left on device' || { why="s10-fill: pause_reason does not name ENOSPC: $reason"; return 1; }
+    api s10-pmem-info pmem-info
+    tr -d '\n\r' <$L/api-s10-pmem-info.out | grep -q '"out_of_space": *"[^"]*No space left on device' || { why="s10-fill: pmem-info has no out_of_space: $(flat_json s10-pmem-info | cut -c1-200)"; return 1; }
+    # No progress while paused: the serial log does not grow.
+    s0=$(stat -c %s $L/s10-fill.log)
+    sleep 1
+    s1=$(stat -c %s $L/s10-fill.log)
+    [ "$s0" = "$s1" ] || { why="s10-fill: the guest printed while paused ($s0 -> $s1 bytes of serial)"; return 1; }
+    api s10-resume-full resume
+    [ $arc -ne 0 ] || { why="s10-fill: resume with the file system still full was accepted"; return 1; }
+    grep -q 'still out of space' $L/api-s10-resume-full.err || { why="s10-fill: the refused resume does not say why: $(api_err s10-resume-full)"; return 1; }
+    api s10-info-still info
+    [ "$(json_state s10-info-still)" = Paused ] || { why="s10-fill: after the refused resume the state is '$(json_state s10-info-still)'"; return 1; }
+    mount -o remount,size=$((S10_FS_KIB + 65536))k $S10FS || { why="s10-fill: growing the tmpfs failed"; return 1; }
+    api s10-resume resume
+    [ $arc -eq 0 ] || { why="s10-fill: resume after freeing space: rc=$arc ($(api_err s10-resume))"; return 1; }
+    api s10-info-running info
+    [ "$(json_state s10-info-running)" = Running ] || { why="s10-fill: state after the resume '$(json_state s10-info-running)'"; return 1; }
+    flat_json s10-info-running | grep -q '"pause_reason":null' || { why="s10-fill: pause_reason not cleared: $(flat_json s10-info-running | cut -c1-200)"; return 1; }
+}
+sc10() {
+    [ "$VMM" = ch ] || { why="needs our VMM (pause on a full disk, the API)"; return 1; }
+    img0=$(img_in s10) || { why="no image"; return 1; }
+    mkdir -p $S10FS
+    # Room for the image, its 4 MiB pool and about 10 MiB of growth.
+    S10_FS_KIB=$(($(stat -c %s "$img0") / 1024 + 14336))
+    mount -t tmpfs -o size=${S10_FS_KIB}k tmpfs $S10FS || { why="mount -t tmpfs failed"; return 1; }
+    mv "$img0" $S10FS/s10.pcow
+    img=$S10FS/s10.pcow
+    rm -f $SOCK
+    t=$(up)
+    sh "$0" __vmm "file=$img" "l2.scenario=s10fill l2.n=$S10_BYTES" "v api=$SOCK" </dev/null >$L/s10-fill.log 2>&1 &
+    pid=$!
+    why=
+    if sc10_api; then
+        vmm_end s10-fill "$t" 1 GUEST-NEVER
+    else
+        vmm_end s10-fill "$t" 1 GUEST-NEVER "the API steps failed"
+    fi
+    [ -z "$why" ] || { img_out "$img"; umount $S10FS; return 1; }
+    booted_ok s10-fill || { img_out "$img"; umount $S10FS; return 1; }
+    vmm_logged s10-fill 'VM paused' || { why="s10-fill: no 'VM paused' in the VMM log"; img_out "$img"; umount $S10FS; return 1; }
+    img_check "$img"
+    c1=$crc
+    boot s10-verify "file=$img" "l2.scenario=s10verify l2.n=$S10_BYTES"
+    img_out "$img"
+    umount $S10FS
+    [ $c1 -eq 0 ] || { why="pcow-img check after the paused run: rc=$c1"; return 1; }
+    booted_ok s10-verify || return 1
+    note="paused for space ($(echo "$reason" | sed 's/.*\(No space left on device\).*/\1/')), resume refused while full, resumed after the tmpfs grew, $((S10_BYTES / 1048576)) MiB file complete, check rc=0, read back on the next boot"
+}
+
+# ---- scenario 11: the kill campaign ----------------------------------------------
+# S11_ITERS iterations on one image chain. Each boots the VMM with the API,
+# the guest first verifies every file earlier iterations reported synced, then
+# writes and syncs files; L1 sends a random API operation (snapshot, overlay,
+# snapshot delete, or none) in the background and kill -9s the VMM at a random
+# moment: after a random number of SYNCED lines and a random delay, so that
+# some kills land inside the API operation. After each kill: the chain's files
+# pass `pcow-img check` (0 or 3, leaks only); an overlay whose request never
+# answered is kept if its file is a valid image on the current top (the VMM
+# may have switched to it) and dropped otherwise; a chain of 3 is committed
+# offline. A last boot verifies everything and powers off.
+rnd() { od -An -N2 -tu2 /dev/urandom | tr -d ' '; }
+s11_depth() { pcow-img info "$1" 2>/dev/null | grep -c '^backing file:' | awk -v d=1 '{ print d + $1 }'; }
+sc11() {
+    [ "$VMM" = ch ] || { why="needs our VMM's API"; return 1; }
+    top=$(img_in s11) || { why="no image"; return 1; }
+    iters=${S11_ITERS:-10}
+    list=none
+    depth=1
+    snaps=
+    nsnap=0 nov=0 ndel=0 ncommit=0 midapi=0 rc0=0 rc3=0 files=0
+    i=1
+    while [ $i -le "$iters" ]; do
+        rm -f $SOCK
+        t=$(up)
+        sh "$0" __vmm "file=$top" "l2.scenario=s11loop l2.tag=$i l2.list=$list" "api=$SOCK" </dev/null >$L/s11.log 2>&1 &
+        pid=$!
+        kill_at=$((1 + $(rnd) % 5))
+        op=$(($(rnd) % 4))
+        [ $op -eq 2 ] && [ $depth -ge 3 ] && op=1
+        [ $op -eq 3 ] && [ -z "$snaps" ] && op=1
+        delay_ms=$(($(rnd) % 400))
+        if ! until_ $BOOT_TIMEOUT grep -qE 'S11-VERIFIED|GUEST-FAIL' $L/s11.log; then
+            kill -9 $pid 2>/dev/null
+            wait $pid
+            tr -d '\r' <$L/s11.log | sed "s/^/  L2[s11-$i]| /" | tail -n 30
+            why="iteration $i: the guest never verified (VMM alive: $(alive $pid && echo yes || echo no))$(guest_said s11)"
+            return 1
+        fi
+        if grep -q GUEST-FAIL $L/s11.log; then
+            kill -9 $pid 2>/dev/null
+            wait $pid
+            tr -d '\r' <$L/s11.log | sed "s/^/  L2[s11-$i]| /" | tail -n 30
+            why="iteration $i: $(grep -o 'S11-VERIFIED.*' $L/s11.log | head -n1): synced files lost$(guest_said s11)"
+            echo "VMMSC-INFO 11 failed_at=$i lost=$(sed -n 's/.*S11-VERIFIED files=[0-9]* bad=\([0-9]*\).*/\1/p' $L/s11.log | head -n1)"
+            return 1
+        fi
+        files=$(sed -n 's/.*S11-VERIFIED files=\([0-9]*\).*/\1/p' $L/s11.log | head -n1)
+        op_at=$((1 + $(rnd) % kill_at))
+        until_ 60 synced_ge $L/s11.log $op_at || true
+        ov=
+        apid=
+        case $op in
+            1) ./ch-remote --api-socket $SOCK --timeout 30 pmem-snapshot _pmem0 "k$i" >$L/s11-api.out 2>&1 &
+               apid=$! ;;
+            2) ov=/tmp/s11-ov$i.pcow
+               ./ch-remote --api-socket $SOCK --timeout 30 pmem-overlay _pmem0 $ov >$L/s11-api.out 2>&1 &
+               apid=$! ;;
+            3) victim=${snaps%% *}
+               ./ch-remote --api-socket $SOCK --timeout 30 pmem-snapshot-delete _pmem0 "$victim" >$L/s11-api.out 2>&1 &
+               apid=$! ;;
+        esac
+        until_ 60 synced_ge $L/s11.log $kill_at || true
+        usleep $((delay_ms * 1000)) 2>/dev/null || sleep 0.$(printf '%03d' $delay_ms)
+        if ! alive $pid; then
+            wait $pid
+            vrc=$?
+            tr -d '\r' <$L/s11.log | sed "s/^/  L2[s11-$i]| /" | tail -n 30
+            why="iteration $i: the VMM ended by itself (exit $vrc) before the kill$(guest_said s11)"
+            return 1
+        fi
+        kill -9 $pid 2>/dev/null
+        wait $pid
+        arc=-
+        if [ -n "$apid" ]; then
+            wait $apid
+            arc=$?
+            [ $arc -eq 0 ] || midapi=$((midapi + 1))
+        fi
+        n=$(last_synced $L/s11.log)
+        echo "VMMSC-INFO 11 iteration=$i op=$op api_rc=$arc kill_after_synced=$kill_at+${delay_ms}ms synced=$n verified=$files"
+        case $op in
+            1) [ $arc -eq 0 ] && { nsnap=$((nsnap + 1)); snaps="$snaps${snaps:+ }k$i"; } ;;
+            3) [ $arc -eq 0 ] && { ndel=$((ndel + 1)); snaps=${snaps#"$victim"}; snaps=${snaps# }; } ;;
+        esac
+        if [ -n "$ov" ]; then
+            keep=no
+            if [ $arc -eq 0 ]; then
+                keep=yes
+            elif [ -f $ov ] && pcow-img check $ov >/dev/null 2>&1; then
+                keep=yes
+            elif [ -f $ov ]; then
+                pcow-img check $ov >$L/check.txt 2>&1
+                [ $? -eq 3 ] && keep=yes
+            fi
+            if [ $keep = yes ]; then
+                pcow-img info $ov 2>&1 | grep -q "^backing file: $(basename $top) " \
+                    || { why="iteration $i: overlay $ov does not name $(basename $top) as its base: $(pcow-img info $ov 2>&1 | grep -i backing)"; return 1; }
+                top=$ov
+                depth=$((depth + 1))
+                nov=$((nov + 1))
+                snaps=
+            else
+                rm -f $ov
+            fi
+        fi
+        # Every file of the chain: clean, or leaks only.
+        f=$top
+        while [ -n "$f" ]; do
+            img_check "$f"
+            case $crc in
+                0) rc0=$((rc0 + 1)) ;;
+                3) rc3=$((rc3 + 1)) ;;
+                *) why="iteration $i: pcow-img check $(basename $f) after kill -9: rc=$crc"; return 1 ;;
+            esac
+            b=$(pcow-img info "$f" 2>/dev/null | sed -n 's/^backing file: \([^ ]*\).*/\1/p')
+            f=${b:+/tmp/$b}
+        done
+        [ "$n" -gt 0 ] && list=$([ "$list" = none ] || printf '%s,' "$list")$i:$n
+        if [ $depth -ge 3 ]; then
+            b=/tmp/$(pcow-img info "$top" | sed -n 's/^backing file: \([^ ]*\).*/\1/p')
+            pcow-img commit "$top" >$L/commit.txt 2>&1 || { why="iteration $i: pcow-img commit $(basename $top): $(head -c 200 $L/commit.txt)"; return 1; }
+            rm -f "$top"
+            top=$b
+            depth=$((depth - 1))
+            ncommit=$((ncommit + 1))
+            snaps=
+        fi
+        i=$((i + 1))
+    done
+    boot s11-verify "file=$top" "l2.scenario=s11verify l2.list=$list"
+    verified=$(sed -n 's/.*S11-VERIFIED files=\([0-9]*\) bad=\([0-9]*\).*/\1 \2/p' $L/s11-verify.log | head -n1)
+    mkdir -p /out/s11
+    f=$top
+    while [ -n "$f" ]; do
+        cp "$f" /out/s11/
+        b=$(pcow-img info "$f" 2>/dev/null | sed -n 's/^backing file: \([^ ]*\).*/\1/p')
+        f=${b:+/tmp/$b}
+    done
+    echo "VMMSC-INFO 11 top=$(basename $top .pcow) iterations=$iters snapshots=$nsnap overlays=$nov deletes=$ndel commits=$ncommit kills_in_api=$midapi checks_rc0=$rc0 checks_rc3=$rc3 verified_final='$verified'"
+    echo "VMMSC-INFO 11 list=$list"
+    booted_ok s11-verify || return 1
+    img_check "$top"
+    [ $crc -eq 0 ] || { why="pcow-img check after the final boot: rc=$crc"; return 1; }
+    note="$iters kills, 0 failures, lost 0 of ${verified% *} synced files (final boot); ops: $nsnap snapshots, $nov overlays, $ndel deletes, $ncommit commits, $midapi kills before the API answered; checks rc0=$rc0 rc3=$rc3"
+}
+
 run() { # K FUNCTION
     t_sc=$(up)
     why=

@@ -32,6 +32,17 @@
 #                     snapshot in its file, restored on a copy, has the files
 #                     synced before its request; pmem-rollback without reset
 #                     refused, with --reset the guest comes back on s3
+#  10 disk-full       the image on a small tmpfs, the guest writes more than
+#                     fits: the VM pauses (vm.info pause_reason, pmem-info
+#                     out_of_space), resume is refused while full, L1 grows
+#                     the tmpfs, resume: the file is complete, check clean,
+#                     the next boot reads it back
+#  11 kill-campaign   VMMSC_KILL_ITERS kill -9s (default 10; docs/reliability.md
+#                     has the 100-iteration run) while the guest writes +
+#                     syncs and snapshots, overlays and snapshot deletes go
+#                     over the API; after each: check 0 or 3 on every file of
+#                     the chain, and the next boot verifies every file ever
+#                     reported synced
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
@@ -40,8 +51,9 @@
 #     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9" (a subset runs only those; 9 needs
-#     VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
+#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11" (a subset runs only those; 9-11
+#     need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
+#   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
 #   VMMSC_VERBOSE=1  echo the whole serial output (default: markers only; the
 #                    full log is always kept, its path is printed)
 #   VMMSC_BOOT_TIMEOUT (s, per VMM run in L1, default 120)
@@ -73,13 +85,14 @@ VMM=${VMMSC_VMM:-ch}
 if [ "$VMM" = qemu ]; then
     SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
 else
-    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9}
+    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11}
 fi
 SIZE=$((64 * 1048576))  # the images' virtual size
 SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
 SIZE8=$((32 * 1048576)) # scenario 8's raw (second) device
+S10_BYTES=$((24 * 1048576)) # scenario 10's file (more than its tmpfs holds)
 case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
-declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api)
+declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign)
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 
 # File contents, as vmm-guest.sh generates them (yes dies of SIGPIPE).
@@ -171,6 +184,8 @@ SIZE6=$SIZE6
 SIZE8=$SIZE8
 BOOT_TIMEOUT=${VMMSC_BOOT_TIMEOUT:-120}
 S9_FILES=${VMMSC_S9_FILES:-22}
+S10_BYTES=$S10_BYTES
+S11_ITERS=${VMMSC_KILL_ITERS:-10}
 SCENARIOS="$SCENARIOS"
 EOF
 
@@ -237,6 +252,8 @@ EOF
                 gzip -1 -c "$host/s8raw.raw" >"$payload/img/s8raw.raw.gz"
                 ;;
             9) mkimg s9 ;;
+            10) mkimg s10 ;;
+            11) mkimg s11 ;;
         esac
     done
     t_build=$(elapsed "$t")
@@ -457,6 +474,33 @@ host9() {
     mkdir -p "$flat/s9r"
     pcheck s9r/s9ov 0
     cmp -s "$out/s9.pcow" "$out/s9r/s9.pcow" || hfail "the base changed during the reset run"
+    [ -z "$hwhy" ]
+}
+
+host10() {
+    pcheck s10 0 && flatten s10 || return 1
+    fsck_ok s10
+    fsame "$flat/s10.raw" /big.bin "s10 big" "$S10_BYTES"
+    [ -z "$hwhy" ]
+}
+# Scenario 11: the chain the campaign left (in $out/s11/), flattened; every
+# file an iteration reported synced (the list L1 printed) is intact.
+host11() {
+    local top list kn k c j
+    top=$(info_of 11 top)
+    [ -n "$top" ] || hfail "no top image from L1" || return 1
+    mkdir -p "$flat/s11"
+    pcheck "s11/$top" 0 && flatten "s11/$top" || return 1
+    fsck_ok "s11/$top"
+    list=$(info_of 11 list)
+    for kn in ${list//,/ }; do
+        [ "$kn" = none ] && continue
+        k=${kn%:*}
+        c=${kn#*:}
+        for ((j = 1; j <= c; j++)); do
+            fsame "$flat/s11/$top.raw" "/$k-$j" "s11 $k $j" $((1024 + (j * 7919) % 12000)) || break 2
+        done
+    done
     [ -z "$hwhy" ]
 }
 
