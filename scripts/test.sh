@@ -3,7 +3,8 @@
 # (unit, property, crash-injection, integration and doc tests), and the
 # nested-sandbox tests that boot real Linux guests (scripts/sandbox/).
 # On a fresh Debian 12 machine it first installs what the tests need
-# (qemu-img, the reference tool the tests compare against).
+# (qemu-img, the reference tool the tests compare against; libclang-dev;
+# python3-venv for the API's property-based test).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,6 +42,13 @@ if [ -x /usr/bin/dpkg ] && ! dpkg -s libclang-dev >/dev/null 2>&1; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y libclang-dev
 fi
+if [ "${API_FUZZ:-1}" != 0 ] && [ -x /usr/bin/dpkg ] \
+    && ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    # scripts/api-fuzz.sh installs schemathesis from PyPI into a venv.
+    step "python3-venv missing: installing it"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y python3 python3-venv
+fi
 echo "cargo:    $(cargo --version)"
 echo "qemu-img: $(qemu-img --version | head -n1)"
 
@@ -52,6 +60,18 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test --workspace --no-fail-fast (every test binary runs; any failure fails)"
 cargo test --workspace --no-fail-fast
+
+# The REST API against its description, docs/openapi.yaml: schemathesis
+# (from PyPI, into .cache/api-fuzz/) generates requests from it for a VMM
+# with no VM, a created VM and a running one (scripts/api-fuzz.sh): any 5xx,
+# failed conformance check or VMM death fails. API_FUZZ=0 skips this step
+# (and says so).
+if [ "${API_FUZZ:-1}" != 0 ]; then
+    step "API property-based test: schemathesis on docs/openapi.yaml (scripts/api-fuzz.sh)"
+    scripts/api-fuzz.sh
+else
+    step "API property-based test: SKIPPED (API_FUZZ=0)"
+fi
 
 # Every fuzz target for a bounded time (cargo-fuzz on the stable toolchain,
 # docs/fuzzing.md): any crash, leak, timeout or OOM fails. FUZZ_SECONDS=0

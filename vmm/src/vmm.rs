@@ -28,7 +28,7 @@ use crate::api::{
 };
 use crate::config::{PmemConfig, ValidationError, VmConfig};
 use crate::control::{self, Inputs, Outcome};
-use crate::machine::{Machine, Pmem};
+use crate::machine::{Machine, MachineError, Pmem};
 
 /// The VM's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,7 +83,23 @@ fn pcow_status(e: &pcow::Error) -> u16 {
     match e {
         pcow::Error::NoSuchSnapshot { .. } => 404,
         pcow::Error::DuplicateTag { .. } | pcow::Error::Locked { .. } => 409,
-        pcow::Error::BadTag { .. } | pcow::Error::Limit { .. } => 400,
+        pcow::Error::BadTag { .. }
+        | pcow::Error::Limit { .. }
+        | pcow::Error::ChainTooDeep { .. } => 400,
+        _ => 500,
+    }
+}
+
+/// The status a failed machine build answers with: 400 when the config
+/// names something that cannot work (not a kernel, a serial file that
+/// cannot be opened, ...), 500 for the host's own failures.
+fn build_status(e: &MachineError) -> u16 {
+    use crate::legacy::serial::SerialError;
+    match e {
+        MachineError::NoKernel | MachineError::PcowDiscardWrites { .. } => 400,
+        MachineError::Boot(b) if b.is_config_error() => 400,
+        MachineError::Serial(SerialError::Interrupt(_)) => 500,
+        MachineError::Serial(_) => 400,
         _ => 500,
     }
 }
@@ -162,7 +178,7 @@ impl Vmm {
             .validate()
             .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
         let mut m = Machine::build(&vm.config, &pmem)
-            .map_err(|e| ApiError::with_source(500, "building the VM", &e))?;
+            .map_err(|e| ApiError::with_source(build_status(&e), "building the VM", &e))?;
         m.start()
             .map_err(|e| ApiError::with_source(500, "starting the vCPUs", &e))?;
         vm.boots += 1;
@@ -458,9 +474,11 @@ impl Vmm {
             .pcow()
             .ok_or_else(|| ApiError::new(400, format!("{} is not a pcow device", r.id)))?;
         let info = region.overlay(Path::new(&r.file)).map_err(|e| {
-            let status = match e {
+            let status = match &e {
                 virtio_pmem_pcow::OverlayError::Exists { .. } => 409,
                 virtio_pmem_pcow::OverlayError::Path { .. } => 400,
+                // For one, a chain already at its depth limit.
+                virtio_pmem_pcow::OverlayError::Image { source, .. } => pcow_status(source),
                 _ => 500,
             };
             ApiError::with_source(status, "pmem overlay", &e)

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::routes::route;
+use super::routes::{allowed_method, route};
 use super::{ApiError, ApiResult, ApiSender};
 
 /// Largest request body accepted (413 beyond).
@@ -153,6 +153,7 @@ fn accept_loop(listener: UnixListener, api: ApiSender, in_flight: Arc<AtomicUsiz
                 &mut stream,
                 &Err(ApiError::new(503, "too many API connections")),
                 true,
+                None,
             );
             continue;
         }
@@ -309,7 +310,13 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-fn write_response(stream: &mut UnixStream, r: &ApiResult, close: bool) -> io::Result<()> {
+/// Writes one answer; `allow` is the `Allow` header a 405 carries (RFC 9110).
+fn write_response(
+    stream: &mut UnixStream,
+    r: &ApiResult,
+    close: bool,
+    allow: Option<&str>,
+) -> io::Result<()> {
     let (status, body) = match r {
         Ok(None) => (204, Vec::new()),
         Ok(Some(v)) => (200, serde_json::to_vec(v).unwrap_or_default()),
@@ -321,6 +328,9 @@ fn write_response(stream: &mut UnixStream, r: &ApiResult, close: bool) -> io::Re
     );
     if !body.is_empty() {
         head.push_str("Content-Type: application/json\r\n");
+    }
+    if let Some(methods) = allow {
+        head.push_str(&format!("Allow: {methods}\r\n"));
     }
     head.push_str(&format!("Content-Length: {}\r\n", body.len()));
     if close {
@@ -347,13 +357,16 @@ fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicU
                     Ok(action) => {
                         in_flight.fetch_add(1, Ordering::AcqRel);
                         let r = api.call(action);
-                        let w = write_response(&mut stream, &r, req.close);
+                        let w = write_response(&mut stream, &r, req.close, None);
                         in_flight.fetch_sub(1, Ordering::AcqRel);
                         w
                     }
                     Err(e) => {
                         log::debug!("API: {} {}: {}", req.method, req.path, e.chain.join(": "));
-                        write_response(&mut stream, &Err(e), req.close)
+                        let allow = (e.status == 405)
+                            .then(|| allowed_method(&req.path))
+                            .flatten();
+                        write_response(&mut stream, &Err(e), req.close, allow)
                     }
                 };
                 if result.is_err() || req.close {
@@ -363,7 +376,7 @@ fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicU
             Err(ReadError::Gone) => return,
             Err(ReadError::Bad(e)) => {
                 log::debug!("API: bad request: {}", e.chain.join(": "));
-                let _ = write_response(&mut stream, &Err(e), true);
+                let _ = write_response(&mut stream, &Err(e), true, None);
                 return;
             }
         }

@@ -54,19 +54,25 @@ fn no_body(action: &str, body: &[u8]) -> Result<(), ApiError> {
     }
 }
 
+/// The endpoint of `path` (query string ignored): its action and method.
+fn endpoint(path: &str) -> Option<(&'static str, &'static str)> {
+    let path = path.split('?').next().unwrap_or(path);
+    let action = path.strip_prefix(PREFIX)?;
+    ROUTES.iter().find(|(r, _)| *r == action).copied()
+}
+
+/// The method `path` allows, for the `Allow` header of a 405 answer.
+pub fn allowed_method(path: &str) -> Option<&'static str> {
+    endpoint(path).map(|(_, m)| m)
+}
+
 /// Routes one request. `path` may carry a query string, which no endpoint
 /// uses (it is ignored).
 pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, ApiError> {
-    let path = path.split('?').next().unwrap_or(path);
-    let action = path
-        .strip_prefix(PREFIX)
-        .filter(|a| ROUTES.iter().any(|(r, _)| r == a))
-        .ok_or_else(|| ApiError::new(404, format!("unknown path {path}")))?;
-    let allowed = ROUTES
-        .iter()
-        .find(|(r, _)| *r == action)
-        .map(|(_, m)| *m)
-        .unwrap_or("PUT");
+    let (action, allowed) = endpoint(path).ok_or_else(|| {
+        let path = path.split('?').next().unwrap_or(path);
+        ApiError::new(404, format!("unknown path {path}"))
+    })?;
     if method != allowed {
         return Err(ApiError::new(
             405,
@@ -130,6 +136,9 @@ mod tests {
         assert_eq!(e("GET", "/api/v1/", b"").status, 404);
         assert_eq!(e("PUT", "/api/v1/vmm.ping", b"").status, 405);
         assert_eq!(e("GET", "/api/v1/vm.boot", b"").status, 405);
+        assert_eq!(allowed_method("/api/v1/vm.boot?x=1"), Some("PUT"));
+        assert_eq!(allowed_method("/api/v1/vm.info"), Some("GET"));
+        assert_eq!(allowed_method("/api/v1/vm.nothing"), None);
         assert_eq!(e("PUT", "/api/v1/vm.boot", b"{}").status, 400);
         assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"").status, 400);
         assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"{").status, 400);

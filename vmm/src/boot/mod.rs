@@ -84,6 +84,19 @@ pub enum BootError {
     TooManyE820Entries { entries: usize, max: usize },
 }
 
+impl BootError {
+    /// Whether the cause is in what the config names (a file that is not a
+    /// kernel, a command line or initramfs the kernel cannot take, too
+    /// little RAM for the kernel) rather than in the host: the API answers
+    /// these with 400.
+    pub fn is_config_error(&self) -> bool {
+        !matches!(
+            self,
+            BootError::GuestMemory { .. } | BootError::TooManyE820Entries { .. }
+        )
+    }
+}
+
 /// The code at [`layout::RESET_VECTOR`]: `mov al, 0xfe; out 0x64, al;
 /// hlt; jmp hlt`. There is no BIOS, and Linux on hardware-reduced ACPI
 /// without EFI reboots by default through the BIOS (a real-mode jump to

@@ -481,6 +481,15 @@ fn validate_pcow_sizes() {
         "{e}"
     );
     assert!(e.contains("pcow-img resize"), "{e}");
+    // API fuzz finding (scripts/api-fuzz.sh, fixed): accepted here, it
+    // failed the boot with a 500.
+    let e = with_pmem(d, &[pm(&good, ",discard_writes=on")])
+        .validate()
+        .unwrap_err();
+    assert!(
+        matches!(e, ValidationError::PcowDiscardWrites { .. }),
+        "{e}"
+    );
     let e = with_pmem(d, &[pm(&odd, "")])
         .validate()
         .unwrap_err()
@@ -564,6 +573,12 @@ fn validate_payload_cpus_memory_consoles() {
     );
     let e = check(&|v| v.payload_mut().kernel = Some("/nonexistent/k".into())).unwrap_err();
     assert_eq!(e, "kernel /nonexistent/k: cannot be read");
+    // API fuzz finding (scripts/api-fuzz.sh, fixed): accepted here, it
+    // failed the boot with a 500.
+    assert_eq!(
+        check(&|v| v.payload_mut().cmdline = Some("a\0b".into())),
+        Err("payload.cmdline contains a NUL byte".into())
+    );
     let dp = d.to_owned();
     let e = check(&|v| v.payload_mut().initramfs = Some(dp.clone())).unwrap_err();
     assert!(e.ends_with("not a regular file"), "{e}");

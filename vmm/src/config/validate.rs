@@ -9,7 +9,7 @@
 //! - RAM: a non-zero multiple of 4 KiB, at most [`crate::vm::MAX_RAM`]
 //!   (*ours*: the VM places RAM below the 32-bit hole);
 //! - a kernel is given and is a readable regular file, and so is the
-//!   initramfs when given;
+//!   initramfs when given; the command line has no NUL byte;
 //! - serial and console: `file` only with mode `File` (and required
 //!   there), not both on `Tty`; `Pty` and `Socket` are not supported, and
 //!   the console (virtio-console, which does not exist yet) accepts only
@@ -19,10 +19,12 @@
 //! - each pmem file exists, is a regular file, and no two devices use the
 //!   same file (*ours*); a pcow image (recognised by its magic) opens with
 //!   its chain, has a virtual size that is a multiple of 2 MiB, and `size=`
-//!   equals that virtual size; a raw file's device size (`size=`, else the
-//!   file's length) is a non-zero multiple of 2 MiB; `size=` larger than a
-//!   raw file is refused (*ours*: upstream maps past the end of the file
-//!   and the guest faults there; it grows only its temporary files).
+//!   equals that virtual size, and `discard_writes` is off (*ours*: take a
+//!   snapshot or an overlay instead); a raw file's device size (`size=`,
+//!   else the file's length) is a non-zero multiple of 2 MiB; `size=`
+//!   larger than a raw file is refused (*ours*: upstream maps past the end
+//!   of the file and the guest faults there; it grows only its temporary
+//!   files).
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -71,6 +73,8 @@ pub enum ValidationError {
     },
     #[error("{what} {path}: not a regular file")]
     PayloadNotFile { what: &'static str, path: PathBuf },
+    #[error("payload.cmdline contains a NUL byte")]
+    CmdlineNul,
     #[error("{what}: mode File needs a file")]
     ConsoleFileMissing { what: &'static str },
     #[error("{what}: a file is given but the mode is {mode:?}, not File")]
@@ -118,6 +122,11 @@ pub enum ValidationError {
         path: PathBuf,
         size: u64,
     },
+    #[error(
+        "pmem {id}: discard_writes=on is for raw files; for pcow image {path} take a snapshot \
+         or an overlay instead"
+    )]
+    PcowDiscardWrites { id: String, path: PathBuf },
     #[error(
         "pmem {id}: size={size} does not match the virtual size {virtual_size} of pcow \
          image {path} (omit size= or use `pcow-img resize`)"
@@ -407,6 +416,11 @@ impl VmConfig {
         if let Some(initramfs) = p.and_then(|p| p.initramfs.as_deref()) {
             check_payload_file("initramfs", initramfs)?;
         }
+        if p.and_then(|p| p.cmdline.as_deref())
+            .is_some_and(|c| c.contains('\0'))
+        {
+            return Err(ValidationError::CmdlineNul);
+        }
         Ok(())
     }
 
@@ -477,6 +491,12 @@ fn check_pmem(cfg: &PmemConfig, id: &str) -> Result<(ValidatedPmem, (u64, u64))>
                 id: id.to_owned(),
                 path: path.clone(),
                 size: vs,
+            });
+        }
+        if cfg.discard_writes {
+            return Err(ValidationError::PcowDiscardWrites {
+                id: id.to_owned(),
+                path: path.clone(),
             });
         }
         if let Some(size) = cfg.size.filter(|s| *s != vs) {
