@@ -131,21 +131,6 @@ fn guest_flush(dev: &mut PmemDevice<Backend>) -> u32 {
     u32::from_le(mem.read_obj::<u32>(GuestAddress(RESP)).unwrap())
 }
 
-/// The image as a reader sees it now (ignoring the writer's lock).
-fn committed(path: &Path) -> Vec<u8> {
-    let img = Image::open(
-        path,
-        OpenOptions {
-            force_share: true,
-            ..OpenOptions::read_only()
-        },
-    )
-    .expect("open the image beside its writer");
-    let mut v = vec![0u8; img.virtual_size() as usize];
-    img.read_at(&mut v, 0).expect("read");
-    v
-}
-
 /// `pcow-img check`'s verdict: no corruption (leaked pool clusters past a
 /// failed barrier are allowed).
 fn assert_consistent(path: &Path, what: &str) {
@@ -259,7 +244,7 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
     // metadata writes, their sync, the header, its sync, the clusters
     // that copy-on-write needs): a barrier with fewer such I/Os just
     // succeeds.
-    let mut last_good = committed(&path);
+    let mut last_good = view_forced(&path);
     let mut failures = 0;
     let mut round = 0;
     for kind in ["allocation", "write", "sync"] {
@@ -273,7 +258,7 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
             faults.disarm();
             if faults.injected() == before {
                 assert_eq!(ret, 0, "{at}: no error injected, yet the FLUSH failed");
-                last_good = committed(&path);
+                last_good = view_forced(&path);
                 same(&last_good, &g.model, &format!("{at}: the image"));
                 continue;
             }
@@ -286,7 +271,7 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
             // last good barrier, consistently (clusters mapped shared from
             // the file show the guest's newest bytes, as a raw file would).
             assert_consistent(&path, &format!("after EIO in {at}"));
-            old_or_new(&committed(&path), &last_good, &g.model, &at);
+            old_or_new(&view_forced(&path), &last_good, &g.model, &at);
             // The guest still sees everything it wrote.
             same(
                 &g.read(0, g.model.len()),
@@ -297,7 +282,7 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
             // barrier had harvested.
             assert_eq!(guest_flush(&mut dev), 0, "{at}: the barrier after EIO");
             assert_consistent(&path, &format!("{at}: after the good barrier"));
-            last_good = committed(&path);
+            last_good = view_forced(&path);
             same(
                 &last_good,
                 &g.model,
@@ -325,5 +310,5 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
     drop(region);
     let r = pcow::check::check(&path, None, false).expect("check");
     assert!(r.is_clean(), "after close: {r:?}");
-    same(&committed(&path), &model, "the closed image");
+    same(&view_forced(&path), &model, "the closed image");
 }

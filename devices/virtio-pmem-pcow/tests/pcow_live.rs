@@ -127,20 +127,6 @@ fn view(path: &Path) -> Vec<u8> {
 }
 
 /// The view of an image in use (no locks).
-fn view_forced(path: &Path) -> Vec<u8> {
-    let img = Image::open(
-        path,
-        OpenOptions {
-            force_share: true,
-            ..OpenOptions::read_only()
-        },
-    )
-    .expect("open forced");
-    let mut v = vec![0u8; img.virtual_size() as usize];
-    img.read_at(&mut v, 0).expect("read");
-    v
-}
-
 fn base_name(path: &Path) -> Option<String> {
     let img = Image::open(
         path,

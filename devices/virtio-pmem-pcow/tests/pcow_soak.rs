@@ -13,7 +13,6 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,18 +102,6 @@ fn writer(
     }
     writes.fetch_add(n, Ordering::Relaxed);
     model
-}
-
-fn chain_of(top: &Path) -> Vec<PathBuf> {
-    let img = Image::open(
-        top,
-        OpenOptions {
-            force_share: true,
-            ..OpenOptions::read_only()
-        },
-    )
-    .expect("open the chain");
-    img.chain_paths()
 }
 
 #[test]
@@ -224,7 +211,7 @@ fn writers_barriers_snapshots_and_overlays_race_and_every_byte_survives() {
     img.read_at(&mut got, 0).unwrap();
     drop(img);
     same(&got, &want, "the chain reopened from disk");
-    for f in chain_of(&top_now) {
+    for f in open_forced(&top_now).chain_paths() {
         let r = pcow::check::check(&f, None, false).expect("check");
         assert!(r.is_clean(), "{}: {r:?}", f.display());
     }

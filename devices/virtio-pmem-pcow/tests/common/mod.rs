@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use pcow::{BaseFormat, BaseRef, CreateOptions, Image};
+use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
 use virtio_pmem_pcow::monitor::Uffd;
 use virtio_pmem_pcow::Monitor;
 
@@ -149,4 +149,26 @@ pub fn create(path: &Path, size: u64, cs: u64, base: Option<&str>) -> Image {
         },
     )
     .expect("create")
+}
+
+/// Opens the image at `path` read-only beside its writer (ignoring the
+/// writer's lock), as `pcow-img -U` would.
+pub fn open_forced(path: &Path) -> Image {
+    Image::open(
+        path,
+        OpenOptions {
+            force_share: true,
+            ..OpenOptions::read_only()
+        },
+    )
+    .expect("open the image beside its writer")
+}
+
+/// The whole guest view of the image at `path` as a reader beside its
+/// writer sees it now.
+pub fn view_forced(path: &Path) -> Vec<u8> {
+    let img = open_forced(path);
+    let mut v = vec![0u8; img.virtual_size() as usize];
+    img.read_at(&mut v, 0).expect("read");
+    v
 }
