@@ -80,8 +80,10 @@ printf '[cache]\nenabled = false\n' >"$config"
 echo "==> building cloud-hypervisor and pcow-img"
 cargo build --quiet -p vmm --bin cloud-hypervisor
 cargo build --quiet -p pcow --bin pcow-img
-vmm_bin="$root/target/debug/cloud-hypervisor"
-pcow_img="$root/target/debug/pcow-img"
+tdir=${CARGO_TARGET_DIR:-target}
+case $tdir in /*) ;; *) tdir=$root/$tdir ;; esac
+vmm_bin="$tdir/debug/cloud-hypervisor"
+pcow_img="$tdir/debug/pcow-img"
 
 # --- processes ---------------------------------------------------------------
 work=$(mktemp -d "${TMPDIR:-/tmp}/api-fuzz.XXXXXX")

@@ -536,6 +536,23 @@ vmm_end() {
     tr -d '\r' <$L/$1.log | sed "s/^/  L2[$1]| /"
 }
 
+# live_run NAME PMEM_SPECS EXTRA_CMDLINE MAX_BOOTS STOP_PATTERN STEPS: the
+# VMM (-v, the API on $SOCK) in the background as $pid, STEPS (a function
+# that sets why on failure) while it runs, then vmm_end (at once with
+# SIGKILL when the steps failed).
+live_run() {
+    rm -f $SOCK
+    t=$(up)
+    sh "$0" __vmm "$2" "$3" "v api=$SOCK" </dev/null >$L/$1.log 2>&1 &
+    pid=$!
+    why=
+    if $6 && [ -z "$why" ]; then
+        vmm_end "$1" "$t" "$4" "$5"
+    else
+        vmm_end "$1" "$t" "$4" "$5" "the API steps failed"
+    fi
+}
+
 # sc9_snap TAG AFTER: once the serial shows SYNCED AFTER, records the last
 # SYNCED n the serial log shows (rec_TAG), sends pmem-snapshot TAG, records
 # the last SYNCED once it answered (post_TAG, information only).
@@ -592,16 +609,7 @@ sc9_live() {
     img=$(img_in s9) || { why="no image"; return 1; }
     N9=${S9_FILES:-22}
     rec_s1=0 rec_s2=0 rec_s3=0 rec_ov=0 done_at=0
-    rm -f $SOCK
-    t=$(up)
-    sh "$0" __vmm "file=$img" "l2.scenario=s9loop l2.n=$N9" "v api=$SOCK" </dev/null >$L/s9-live.log 2>&1 &
-    pid=$!
-    why=
-    if sc9_live_api; then
-        vmm_end s9-live "$t" 1 GUEST-NEVER
-    else
-        vmm_end s9-live "$t" 1 GUEST-NEVER "the API steps failed"
-    fi
+    live_run s9-live "file=$img" "l2.scenario=s9loop l2.n=$N9" 1 GUEST-NEVER sc9_live_api
     ov=/tmp/s9ov.pcow
     img_out "$img"
     [ -f $ov ] && img_out $ov
@@ -627,17 +635,7 @@ sc9_live() {
 sc9_reset() {
     ov=/tmp/s9ov.pcow
     h0=$(sha /tmp/s9.pcow)
-    rm -f $SOCK
-    t=$(up)
-    sh "$0" __vmm "file=$ov" "l2.scenario=s9reset l2.n=$rec_s3" "v api=$SOCK" </dev/null >$L/s9-reset.log 2>&1 &
-    pid=$!
-    why=
-    sc9_reset_api || true
-    if [ -z "$why" ]; then
-        vmm_end s9-reset "$t" 2 GUEST-S9-WAIT-RESET
-    else
-        vmm_end s9-reset "$t" 2 GUEST-S9-WAIT-RESET "the API steps failed"
-    fi
+    live_run s9-reset "file=$ov" "l2.scenario=s9reset l2.n=$rec_s3" 2 GUEST-S9-WAIT-RESET sc9_reset_api
     mkdir -p /out/s9r
     cp /tmp/s9.pcow $ov /out/s9r/
     [ -z "$why" ] || return 1
@@ -726,16 +724,7 @@ sc10() {
     mount -t tmpfs -o size=${S10_FS_KIB}k tmpfs $S10FS || { why="mount -t tmpfs failed"; return 1; }
     mv "$img0" $S10FS/s10.pcow
     img=$S10FS/s10.pcow
-    rm -f $SOCK
-    t=$(up)
-    sh "$0" __vmm "file=$img" "l2.scenario=s10fill l2.n=$S10_BYTES" "v api=$SOCK" </dev/null >$L/s10-fill.log 2>&1 &
-    pid=$!
-    why=
-    if sc10_api; then
-        vmm_end s10-fill "$t" 1 GUEST-NEVER
-    else
-        vmm_end s10-fill "$t" 1 GUEST-NEVER "the API steps failed"
-    fi
+    live_run s10-fill "file=$img" "l2.scenario=s10fill l2.n=$S10_BYTES" 1 GUEST-NEVER sc10_api
     [ -z "$why" ] || { img_out "$img"; umount $S10FS; return 1; }
     booted_ok s10-fill || { img_out "$img"; umount $S10FS; return 1; }
     vmm_logged s10-fill 'VM paused' || { why="s10-fill: no 'VM paused' in the VMM log"; img_out "$img"; umount $S10FS; return 1; }
