@@ -52,7 +52,17 @@ bash scripts/fuzz-seeds.sh
 
 echo "==> building the targets (sanitizer: $sanitizer)"
 (cd fuzz && cargo fuzz build -O -a -s "$sanitizer")
-bin_dir="$root/fuzz/target/x86_64-unknown-linux-gnu/release"
+# Where cargo put them: fuzz/target, or CARGO_TARGET_DIR (relative to fuzz/,
+# where cargo ran).
+case ${CARGO_TARGET_DIR:-} in
+    '') bin_dir=$root/fuzz/target ;;
+    /*) bin_dir=$CARGO_TARGET_DIR ;;
+    *) bin_dir=$root/fuzz/$CARGO_TARGET_DIR ;;
+esac
+bin_dir=$bin_dir/x86_64-unknown-linux-gnu/release
+for t in "${targets[@]}"; do
+    [ -x "$bin_dir/$t" ] || die "no fuzz target binary $bin_dir/$t after the build (unknown target '$t'?)"
+done
 
 logs="$root/fuzz/logs${FUZZ_LOG_SUFFIX:+/$FUZZ_LOG_SUFFIX}"
 mkdir -p "$logs"
