@@ -498,7 +498,9 @@ host11() {
         k=${kn%:*}
         c=${kn#*:}
         for ((j = 1; j <= c; j++)); do
-            fsame "$flat/s11/$top.raw" "/$k-$j" "s11 $k $j" $((1024 + (j * 7919) % 12000)) || break 2
+            cmp -s <(dcat "$flat/s11/$top.raw" "/$k-$j") \
+                <(printf '%-15s\n' "s11 $k $j"; gen "s11 body $j" $((1024 + (j * 7919) % 12000))) \
+                || { hfail "s11/$top:/$k-$j is not file $k-$j of the campaign"; break 2; }
         done
     done
     [ -z "$hwhy" ]
