@@ -207,20 +207,27 @@ impl Pmem {
     /// retried and answered. Fails (and changes nothing the guest sees)
     /// while there is still no space. Call with the vCPUs held.
     pub fn retry_out_of_space(&self) -> Result<(), String> {
-        if self.pcow().is_some() {
+        let mut v = self.virtio.lock().unwrap_or_else(|e| e.into_inner());
+        if v.stalled().is_some() {
+            // The waiting FLUSH's own barrier moves everything; it stalls
+            // again while there is still no space.
+            v.unstall();
+            return match v.stalled() {
+                Some(why) => Err(format!("pmem {}: flush: {why}", self.id)),
+                None => Ok(()),
+            };
+        }
+        drop(v);
+        let waiting = self
+            .pcow()
+            .is_some_and(|r| !matches!(r.out_of_space(), Ok(None)));
+        if waiting {
             if let Some(Err(e)) = self.barrier() {
                 return Err(format!(
                     "pmem {}: {}",
                     self.id,
                     crate::control::error_chain(&e)
                 ));
-            }
-        }
-        let mut v = self.virtio.lock().unwrap_or_else(|e| e.into_inner());
-        if v.stalled().is_some() {
-            v.unstall();
-            if let Some(why) = v.stalled() {
-                return Err(format!("pmem {}: flush: {why}", self.id));
             }
         }
         Ok(())

@@ -308,7 +308,6 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
     drop(monitor);
     let region = Arc::try_unwrap(region).expect("last user of the region");
     drop(region);
-    let r = pcow::check::check(&path, None, false).expect("check");
-    assert!(r.is_clean(), "after close: {r:?}");
+    check_clean(&path);
     same(&view_forced(&path), &model, "the closed image");
 }

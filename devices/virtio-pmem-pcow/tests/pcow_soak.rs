@@ -212,8 +212,7 @@ fn writers_barriers_snapshots_and_overlays_race_and_every_byte_survives() {
     drop(img);
     same(&got, &want, "the chain reopened from disk");
     for f in open_forced(&top_now).chain_paths() {
-        let r = pcow::check::check(&f, None, false).expect("check");
-        assert!(r.is_clean(), "{}: {r:?}", f.display());
+        check_clean(&f);
     }
     let w = writes.load(Ordering::Relaxed);
     eprintln!(

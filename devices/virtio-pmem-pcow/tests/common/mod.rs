@@ -172,3 +172,10 @@ pub fn view_forced(path: &Path) -> Vec<u8> {
     img.read_at(&mut v, 0).expect("read");
     v
 }
+
+/// `pcow-img check` finds the closed image at `path` clean.
+#[track_caller]
+pub fn check_clean(path: &Path) {
+    let r = pcow::check::check(path, None, false).expect("check");
+    assert!(r.is_clean(), "{}: check: {r:?}", path.display());
+}
