@@ -41,6 +41,14 @@ struct UffdioRegister {
     ioctls: u64,
 }
 
+/// `struct uffdio_writeprotect`.
+#[repr(C)]
+#[derive(Default)]
+struct UffdioWriteprotect {
+    range: UffdioRange,
+    mode: u64,
+}
+
 /// `struct uffdio_zeropage`.
 #[repr(C)]
 #[derive(Default)]
@@ -55,6 +63,10 @@ const UFFDIO_REGISTER: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x00, size_of::
 pub(crate) const UFFDIO_WAKE: libc::c_ulong = ioc(IOC_READ, 0x02, size_of::<UffdioRange>());
 pub(crate) const UFFDIO_ZEROPAGE: libc::c_ulong =
     ioc(IOC_READ | IOC_WRITE, 0x04, size_of::<UffdioZeropage>());
+const UFFDIO_WRITEPROTECT: libc::c_ulong =
+    ioc(IOC_READ | IOC_WRITE, 0x06, size_of::<UffdioWriteprotect>());
+/// `UFFDIO_WRITEPROTECT_MODE_WP`.
+const WRITEPROTECT_MODE_WP: u64 = 1;
 /// `USERFAULTFD_IOC_NEW` on `/dev/userfaultfd`: `_IO(0xAA, 0x00)`.
 const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
 
@@ -138,6 +150,23 @@ pub(crate) fn register(fd: &OwnedFd, start: u64, len: u64, mode: u64) -> std::io
     // SAFETY: `reg` is a valid `uffdio_register`; registering changes only
     // how faults in the range are served, not its content.
     let r = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_REGISTER as _, &mut reg) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Write-protects `[start, start + len)`, registered with `fd` in
+/// write-protect mode.
+pub(crate) fn write_protect(fd: &OwnedFd, start: u64, len: u64) -> std::io::Result<()> {
+    let mut wp = UffdioWriteprotect {
+        range: UffdioRange { start, len },
+        mode: WRITEPROTECT_MODE_WP,
+    };
+    // SAFETY: `wp` is a valid `uffdio_writeprotect`; protecting changes no
+    // content, only whether the next write to a page is noted (WP-async:
+    // the kernel resolves it without an event).
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_WRITEPROTECT as _, &mut wp) };
     if r < 0 {
         return Err(std::io::Error::last_os_error());
     }

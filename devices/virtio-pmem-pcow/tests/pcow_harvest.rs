@@ -216,6 +216,67 @@ fn pages_written_again_are_persisted_and_unchanged_pages_are_not_copied_again() 
     assert_eq!(img.allocated_clusters(), 2);
 }
 
+/// The barrier write-protects the file pages a guest faulted in by reading
+/// (so later walks skip them): reads are never reported as written, and a
+/// write to a page read (and protected) before is still found, whether it
+/// comes right after that barrier, after more reads, or pages later.
+#[test]
+fn pages_read_before_a_barrier_and_written_after_it_are_found() {
+    if !uffd_or_skip("pages_read_before_a_barrier_and_written_after_it_are_found") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (top, mut model) = over_full_base(dir.path(), 16, K64);
+    let rig = Rig::open(&top);
+    let len = model.len();
+    // Read every other cluster: file pages in the private mapping.
+    for vcn in (0..16).step_by(2) {
+        assert_eq!(
+            rig.read(vcn * K64, K64 as usize),
+            model[(vcn * K64) as usize..][..K64 as usize]
+        );
+    }
+    let s = rig.region.barrier().unwrap();
+    assert!(s.tracked, "this test needs WP-async write tracking");
+    assert_eq!(
+        (s.private_pages, s.pages_copied),
+        (0, 0),
+        "reads are not writes"
+    );
+    assert_eq!(rig.region.status().unwrap().pending_private_pages, 0);
+    // Writes into pages read (and protected) at the last barrier, into
+    // pages never touched, and a read of the rest.
+    w(&rig, &mut model, 2 * K64 + 3 * PAGE, 1, 10);
+    w(&rig, &mut model, 4 * K64, 2, 2 * PAGE as usize);
+    w(&rig, &mut model, 5 * K64 + 9 * PAGE, 3, 1);
+    assert_eq!(rig.read(0, len), model);
+    assert_eq!(rig.region.status().unwrap().pending_private_pages, 4);
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.pages_copied), (4, 4));
+    let s = rig.region.barrier().unwrap();
+    assert_eq!(
+        (s.private_pages, s.pages_copied),
+        (0, 0),
+        "everything read is protected now"
+    );
+    // Every page of the region was read and protected; each write is found.
+    for (i, vcn) in (0..16u64).enumerate() {
+        w(
+            &rig,
+            &mut model,
+            vcn * K64 + (i as u64 % 16) * PAGE + 100,
+            10 + i as u64,
+            8,
+        );
+    }
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.pages_copied), (16, 16));
+    rig.close();
+    let img = Image::open(&top, OpenOptions::read_only()).unwrap();
+    assert_eq!(view(&img), model);
+    check_clean(&top);
+}
+
 #[test]
 fn after_a_live_snapshot_rewrites_of_private_pages_go_to_the_new_layer() {
     if !uffd_or_skip("after_a_live_snapshot_rewrites_of_private_pages_go_to_the_new_layer") {
