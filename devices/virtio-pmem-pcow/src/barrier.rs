@@ -402,8 +402,9 @@ impl RegionState {
                 p += PAGE_SIZE;
             }
         }
-        stats.private_pages = pages.len() as u64;
         pages.sort_unstable();
+        pages.dedup();
+        stats.private_pages = pages.len() as u64;
         let mut out: Harvest = Vec::new();
         for (vcn, page) in pages {
             match out.last_mut() {

@@ -120,6 +120,44 @@ struct Categories {
     returned: u64,
 }
 
+/// Page-table coverage of one PTE page: 2 MiB on x86-64.
+const TABLE_SPAN: u64 = 2 << 20;
+
+/// What to write-protect after a scan: the unprotected entries (sorted
+/// runs) that lie in a page table holding one of the `classified` pages.
+/// That covers the pages found, and the empty entries around them, which
+/// get uffd-wp markers: the kernel's walk skips protected entries on its
+/// fast path but reports empty ones, so a page table holding one written
+/// page would otherwise cost 511 reported entries at every barrier. Empty
+/// entries outside such tables are left alone: protecting them would
+/// allocate page tables for ranges nobody touched.
+fn to_protect(unprotected: &[(u64, u64, u64)], classified: &[(u64, u64, u64)]) -> Vec<(u64, u64)> {
+    let mut tables: Vec<(u64, u64)> = Vec::new();
+    for &(a, b, _) in classified {
+        let (ta, tb) = (a - a % TABLE_SPAN, b.div_ceil(TABLE_SPAN) * TABLE_SPAN);
+        match tables.last_mut() {
+            Some(last) if last.1 >= ta => last.1 = last.1.max(tb),
+            _ => tables.push((ta, tb)),
+        }
+    }
+    let mut out = Vec::new();
+    let mut t = 0;
+    for &(a, b, _) in unprotected {
+        while t < tables.len() && tables[t].1 <= a {
+            t += 1;
+        }
+        let mut k = t;
+        while k < tables.len() && tables[k].0 < b {
+            let (x, y) = (a.max(tables[k].0), b.min(tables[k].1));
+            if x < y {
+                push_run(&mut out, x, y);
+            }
+            k += 1;
+        }
+    }
+    out
+}
+
 /// Appends `[a, b)` to `out`, merged with the last run when adjacent.
 fn push_run(out: &mut Vec<(u64, u64)>, a: u64, b: u64) {
     match out.last_mut() {
@@ -239,9 +277,12 @@ impl PageScanner {
         }
         // Unprotected entries include holes (no page, or no page table),
         // which the classification skips at the cost of a table lookup.
+        // Requiring PAGE_IS_WRITTEN again keeps out the entries a
+        // protection left on a zapped page (uffd-wp markers, which the
+        // kernel reports as swapped).
         let present = Categories {
             inverted: 0,
-            required: 0,
+            required: PAGE_IS_WRITTEN,
             any_of: PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
             returned: PAGE_IS_FILE | PAGE_IS_PFNZERO | PAGE_IS_PRESENT | PAGE_IS_SWAPPED,
         };
@@ -255,11 +296,7 @@ impl PageScanner {
             }
         }
         if let Some(tracker) = protect {
-            let mut runs: Vec<(u64, u64)> = Vec::new();
-            for &(a, b, _) in &classified {
-                push_run(&mut runs, a, b);
-            }
-            for (a, b) in runs {
+            for (a, b) in to_protect(&unprotected, &classified) {
                 tracker.protect(a, b - a)?;
             }
         }
@@ -335,8 +372,11 @@ impl PageScanner {
                     _ => out.push((r.start, r.end, r.categories)),
                 }
             }
-            if arg.walk_end <= cur {
-                // No progress would loop forever; the kernel always advances.
+            // A vector not filled means the walk reached `end`. Only a full
+            // one says to go on from `walk_end`: some kernels leave
+            // `walk_end` at the last point their own smaller buffer
+            // filled, and resuming there would report runs twice.
+            if n < vec.len() || arg.walk_end <= cur {
                 break;
             }
             cur = arg.walk_end;
@@ -431,5 +471,38 @@ impl WriteTracker {
             what: "UFFDIO_WRITEPROTECT",
             source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const M2: u64 = TABLE_SPAN;
+
+    #[test]
+    fn protection_covers_the_unprotected_entries_of_tables_with_pages_found() {
+        // Unprotected: a hole spanning three tables, a run in a fourth.
+        let unprotected = [(0, 3 * M2, 2), (5 * M2 + 4096, 5 * M2 + 8192, 2)];
+        // Pages found in the second table and in the fourth.
+        let classified = [
+            (M2 + 40960, M2 + 45056, 8),
+            (5 * M2 + 4096, 5 * M2 + 8192, 8),
+        ];
+        assert_eq!(
+            to_protect(&unprotected, &classified),
+            vec![(M2, 2 * M2), (5 * M2 + 4096, 5 * M2 + 8192)]
+        );
+        assert!(to_protect(&unprotected, &[]).is_empty());
+    }
+
+    #[test]
+    fn protection_of_a_run_across_tables_covers_each_table_once() {
+        let unprotected = [(M2 - 4096, M2 + 4096, 2), (M2 + 8192, 4 * M2, 2)];
+        let classified = [(M2 - 4096, M2 + 4096, 8)];
+        assert_eq!(
+            to_protect(&unprotected, &classified),
+            vec![(M2 - 4096, M2 + 4096), (M2 + 8192, 2 * M2)]
+        );
     }
 }
