@@ -11,11 +11,13 @@
 #                      s8two | s9loop s9reset (+ l2.n=N) |
 #                      s10fill s10verify (+ l2.n=BYTES) |
 #                      s11loop (+ l2.tag=ITERATION l2.list=K:N,...) s11verify (+ l2.list) |
+#                      s12prep s12track s12verify (+ l2.n=BYTES) |
 #                      bench (nothing: vmm-bench.sh)
 # Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
 # SYNCED n (s5loop, s7loop, s9loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
 # GUEST-PMEM-SIZES (s8two), GUEST-S9-WAIT-RESET (s9reset), S11-VERIFIED
-# files=N bad=M (s11loop, s11verify). Exit status 0 when
+# files=N bad=M (s11loop, s11verify), S12-BEGIN/S12-END step (s12track).
+# Exit status 0 when
 # the guest-side checks passed.
 # The file contents are generated (gen TEXT BYTES), so that L1 and the host
 # can regenerate them: keep gen in step with vmm-scenarios.sh.
@@ -127,6 +129,22 @@ s11_verify() {
     done
     echo "S11-VERIFIED files=$total bad=$bad"
     [ $bad -eq 0 ]
+}
+
+# s12_pages FROM TO: copies every 8th 4 KiB page of FROM into TO, in place.
+s12_pages() {
+    k=0
+    while [ $((k * 4096)) -lt "$n" ]; do
+        dd if="$1" of="$2" bs=4096 count=1 skip=$k seek=$k conv=notrunc 2>/dev/null || return 1
+        k=$((k + 8))
+    done
+}
+# s12_expected FILE: t.bin after scenario 12's writes: gen "s12 A", every 8th
+# page from gen "s12 C".
+s12_expected() {
+    gen "s12 A" "$n" >"$1"
+    gen "s12 C" "$n" >/tmp/s12-c.src
+    s12_pages /tmp/s12-c.src "$1"
 }
 
 case $scenario in
@@ -379,6 +397,48 @@ case $scenario in
         need_dax
         s11_verify "$list" || fail "files reported synced are lost or wrong"
         ok "every file reported synced is intact"
+        ;;
+    s12prep)
+        need_dax
+        [ "$n" -gt 0 ] || fail "l2.n (bytes) missing"
+        gen "s12 A" "$n" >$M/t.bin || fail "writing t.bin"
+        sync || fail "sync"
+        ok "t.bin written ($n bytes)"
+        ;;
+    s12track)
+        # Steps L1 reads the VMM's FLUSH barrier lines between: each step's
+        # work, then sync (the FLUSH), between S12-BEGIN and S12-END. The
+        # writes hit every 8th page of t.bin only, so that its clusters stay
+        # partly in the snapshot: private, and tracked (a cluster whose
+        # every page was copied is mapped shared from the image instead).
+        need_dax
+        same $M/t.bin "s12 A" "$n" || fail "t.bin (A) not as boot 1 wrote it"
+        gen "s12 B" "$n" >/tmp/b.bin
+        s12_expected /tmp/c.bin
+        sync
+        step() { echo "S12-BEGIN $1"; }
+        done_() { sync || fail "sync ($1)"; echo "S12-END $1"; }
+        step idle
+        done_ idle
+        step read
+        cat $M/t.bin >/dev/null || fail "reading t.bin"
+        done_ read
+        step write1
+        s12_pages /tmp/b.bin $M/t.bin || fail "writing pages of t.bin (B)"
+        done_ write1
+        step idle2
+        done_ idle2
+        step write2
+        s12_pages /tmp/c.bin $M/t.bin || fail "writing pages of t.bin (C)"
+        done_ write2
+        cmp -s /tmp/c.bin $M/t.bin || fail "t.bin does not read back as expected"
+        ok "steps done, t.bin reads back as expected"
+        ;;
+    s12verify)
+        need_dax
+        s12_expected /tmp/c.bin
+        cmp -s /tmp/c.bin $M/t.bin || fail "t.bin lost or wrong on the next boot"
+        ok "t.bin intact ($n bytes)"
         ;;
     bench) ;;
     *)

@@ -43,6 +43,12 @@
 #                     over the API; after each: check 0 or 3 on every file of
 #                     the chain, and the next boot verifies every file ever
 #                     reported synced
+#  12 write-tracking  guest writes through KVM into snapshotted (private,
+#                     tracked) clusters: each FLUSH's barrier (the VMM's debug
+#                     log) finds exactly the pages written since the last one
+#                     (every 8th page of a file); reads count nothing;
+#                     rewrites of already private pages are found again;
+#                     check clean, read back on the next boot and on the host
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
@@ -51,7 +57,7 @@
 #     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11" (a subset runs only those; 9-11
+#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12" (a subset runs only those; 9-12
 #     need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
 #   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
 #   VMMSC_VERBOSE=1  echo the whole serial output (default: markers only; the
@@ -85,14 +91,15 @@ VMM=${VMMSC_VMM:-ch}
 if [ "$VMM" = qemu ]; then
     SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
 else
-    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11}
+    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11 12}
 fi
 SIZE=$((64 * 1048576))  # the images' virtual size
 SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
 SIZE8=$((32 * 1048576)) # scenario 8's raw (second) device
 S10_BYTES=$((24 * 1048576)) # scenario 10's file (more than its tmpfs holds)
+S12_BYTES=$((8 * 1048576))  # scenario 12's file (2048 pages)
 case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
-declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign)
+declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign [12]=write-tracking)
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 
 # File contents, as vmm-guest.sh generates them (yes dies of SIGPIPE).
@@ -185,6 +192,7 @@ SIZE8=$SIZE8
 BOOT_TIMEOUT=${VMMSC_BOOT_TIMEOUT:-120}
 S9_FILES=${VMMSC_S9_FILES:-22}
 S10_BYTES=$S10_BYTES
+S12_BYTES=$S12_BYTES
 S11_ITERS=${VMMSC_KILL_ITERS:-10}
 SCENARIOS="$SCENARIOS"
 EOF
@@ -254,6 +262,7 @@ EOF
             9) mkimg s9 ;;
             10) mkimg s10 ;;
             11) mkimg s11 ;;
+            12) mkimg s12 ;;
         esac
     done
     t_build=$(elapsed "$t")
@@ -503,6 +512,20 @@ host11() {
                 || { hfail "s11/$top:/$k-$j is not file $k-$j of the campaign"; break 2; }
         done
     done
+    [ -z "$hwhy" ]
+}
+
+# Scenario 12: t.bin is gen "s12 A" with every 8th page from gen "s12 C".
+host12() {
+    pcheck s12 0 && flatten s12 || return 1
+    fsck_ok s12
+    local k
+    gen "s12 A" "$S12_BYTES" >"$flat/s12-expected"
+    gen "s12 C" "$S12_BYTES" >"$flat/s12-c"
+    for ((k = 0; k * 4096 < S12_BYTES; k += 8)); do
+        dd if="$flat/s12-c" of="$flat/s12-expected" bs=4096 count=1 skip=$k seek=$k conv=notrunc status=none
+    done
+    cmp -s <(dcat "$flat/s12.raw" /t.bin) "$flat/s12-expected" || hfail "s12:/t.bin is not A with every 8th page from C"
     [ -z "$hwhy" ]
 }
 
