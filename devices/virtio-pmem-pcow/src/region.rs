@@ -223,6 +223,22 @@ impl Reservation {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
+        if shared {
+            // No read-around on the writable layer: a fault there would
+            // otherwise read ahead (and zero, for a fresh cluster) up to
+            // the file's whole readahead window, in large folios: 160 us
+            // more per first write into a 2 MiB cluster on ext4 here. The
+            // guest's accesses are random. Every shared mapping gets it,
+            // so that neighbours still merge into one VMA.
+            // SAFETY: advice on the range just mapped; it changes no
+            // content.
+            if unsafe { libc::madvise(p, len as usize, libc::MADV_RANDOM) } != 0 {
+                log::debug!(
+                    "madvise(MADV_RANDOM) at region offset {offset:#x}: {}",
+                    io::Error::last_os_error()
+                );
+            }
+        }
         Ok(())
     }
 
