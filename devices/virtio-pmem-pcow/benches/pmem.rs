@@ -763,7 +763,14 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
         "| fs | cluster | region VMAs | workload | pcow MiB/s | raw MiB/s | pcow / raw (median of the rounds' ratios) | rounds' ratios min - max | pcow p50 / p99 µs | raw p50 / p99 µs |",
     );
     for (what, b, r, q, lb, lr) in [
-        ("1 MiB sequential copies", sb_seq, sr_seq, q_seq, lb_seq, lr_seq),
+        (
+            "1 MiB sequential copies",
+            sb_seq,
+            sr_seq,
+            q_seq,
+            lb_seq,
+            lr_seq,
+        ),
         (
             "4 KiB random writes",
             sb_rnd,
