@@ -794,8 +794,29 @@ impl Image {
     /// Makes sure clusters up to `end` exist in the file, growing it by the
     /// pool size at a time.
     pub(crate) fn ensure_space(&mut self, end: u64) -> Result<()> {
+        self.ensure_space_as(end, Space::Reserved)
+    }
+
+    /// [`Image::ensure_space`], growing the file as `space` says.
+    fn ensure_space_as(&mut self, end: u64, space: Space) -> Result<()> {
         let need = self.g.offset(end);
         if need <= self.file_len {
+            return Ok(());
+        }
+        if space == Space::Written {
+            // A pre-allocation worker may have extended the file beyond
+            // what the image counts (its completion is then stale):
+            // never shrink.
+            let real = self
+                .storage
+                .len()
+                .map_err(io_err(&self.path, "allocating clusters"))?;
+            if real < need {
+                self.storage
+                    .set_len(need)
+                    .map_err(io_err(&self.path, "allocating clusters"))?;
+            }
+            self.file_len = need;
             return Ok(());
         }
         let new_len = self.g.offset(end + self.pool_clusters);
@@ -820,13 +841,24 @@ impl Image {
     /// segment starts unless the last structure is a segment of `layer`
     /// with room.
     pub(crate) fn alloc_entry(&mut self, layer: u32, vcn: u64, bitmap: &[u64]) -> Result<u32> {
+        self.alloc_entry_as(layer, vcn, bitmap, Space::Reserved)
+    }
+
+    /// [`Image::alloc_entry`], the file grown as `space` says.
+    fn alloc_entry_as(
+        &mut self,
+        layer: u32,
+        vcn: u64,
+        bitmap: &[u64],
+        space: Space,
+    ) -> Result<u32> {
         let cap = self.g.capacity();
         let extend = self.segments.last().is_some_and(|s| {
             s.layer == layer && s.used < cap && s.meta + 1 + u64::from(s.used) == self.next_cluster
         });
         let need = if extend { 1 } else { 2 };
         self.check_cluster_limit(need)?;
-        self.ensure_space(self.next_cluster + need)?;
+        self.ensure_space_as(self.next_cluster + need, space)?;
         if !extend {
             self.segments.push(Segment {
                 meta: self.next_cluster,
@@ -888,6 +920,25 @@ impl Image {
     /// it has none yet: for a device that writes guest data through a
     /// mapping of the file rather than through [`Image::write_at`].
     pub fn active_cluster(&mut self, vcn: u64) -> Result<ActiveCluster> {
+        self.active_cluster_as(vcn, Space::Reserved)
+    }
+
+    /// [`Image::active_cluster`] for a caller that writes (`pwrite`) every
+    /// page of the cluster before it maps it, if it ever does: a new
+    /// cluster still takes the pool's next reserved cluster, but when the
+    /// pool is empty the file only grows (sparse) to hold it, and its
+    /// space is allocated by the writes that fill it. A device's barrier
+    /// copying a few pages into a cluster allocates those pages, not the
+    /// whole cluster (on tmpfs, 2 MiB of memory for a 4 KiB page).
+    ///
+    /// A cluster mapped shared before its pages are written needs
+    /// [`Image::active_cluster`]: a write through a mapping into space the
+    /// file system cannot allocate is a SIGBUS, not an error.
+    pub fn active_cluster_written(&mut self, vcn: u64) -> Result<ActiveCluster> {
+        self.active_cluster_as(vcn, Space::Written)
+    }
+
+    fn active_cluster_as(&mut self, vcn: u64, space: Space) -> Result<ActiveCluster> {
         if !self.writable {
             return Err(Error::ReadOnly {
                 path: self.path.clone(),
@@ -910,7 +961,7 @@ impl Image {
                 if !self.view_has_data(self.layers[layer as usize].parent, vcn * cs, cs) {
                     self.g.full_bitmap(&mut bm);
                 }
-                (self.alloc_entry(layer, vcn, &bm)?, true)
+                (self.alloc_entry_as(layer, vcn, &bm, space)?, true)
             }
         };
         let pages = self.g.pages();
@@ -1343,6 +1394,17 @@ pub enum PageLocation {
         /// Byte offset in that file.
         offset: u64,
     },
+}
+
+/// How a new cluster's space is made in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Space {
+    /// Reserved (fallocated), with the pool grown ahead: safe to map and
+    /// write through the mapping.
+    Reserved,
+    /// The file only extended, when the pool is empty: every page is
+    /// written with `pwrite` (which reports ENOSPC) before it is mapped.
+    Written,
 }
 
 /// The active layer's cluster for a virtual cluster, as a device sees it.

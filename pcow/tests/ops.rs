@@ -395,3 +395,71 @@ fn pool_worker_protocol() {
     drop(f);
     clean(&p);
 }
+
+#[test]
+fn written_clusters_grow_the_file_sparsely_once_the_pool_is_empty() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let d = tempfile::tempdir().unwrap();
+    let (base, p) = (d.path().join("b.raw"), d.path().join("t.pcow"));
+    let cs = 65536u64;
+    std::fs::write(&base, vec![1u8; MIB as usize]).unwrap();
+    let mut img = create(&p, MIB, cs, Some("b.raw"));
+    img.set_pool_clusters(2);
+    // Header + the first segment's metadata cluster + the pool.
+    assert_eq!(img.fill_pool().unwrap(), 2);
+    let reserved_len = std::fs::metadata(&p).unwrap().len();
+    let f = img.file().unwrap().try_clone().unwrap();
+    // A refill a worker was asked for before the clusters below were taken.
+    let c0 = img.active_cluster_written(0).unwrap();
+    f.write_all_at(&[9; 4096], c0.file_offset).unwrap();
+    img.record_pages(0, 0, 1).unwrap();
+    let stale = img.pool_shortfall().unwrap();
+    let mut offsets = vec![];
+    for v in 1..6 {
+        let c = img.active_cluster_written(v).unwrap();
+        assert!(c.fresh && !c.whole, "partial over the base: {c:?}");
+        offsets.push(c.file_offset);
+        // The device copies one page in, then records it.
+        f.write_all_at(&[v as u8 + 10; 4096], c.file_offset + 4096)
+            .unwrap();
+        img.record_pages(v, 1, 1).unwrap();
+    }
+    let len = std::fs::metadata(&p).unwrap().len();
+    assert_eq!(
+        len,
+        offsets.last().unwrap() + cs,
+        "the file ends with the last cluster: no pool grown ahead"
+    );
+    assert!(len > reserved_len);
+    let blocks = std::fs::metadata(&p).unwrap().blocks() * 512;
+    assert!(
+        blocks < reserved_len + 4 * 2 * 4096 + 4 * cs,
+        "clusters past the pool are sparse: {blocks} bytes allocated of {len}"
+    );
+    assert!(
+        !img.pool_reserved(stale.0, stale.1),
+        "a refill asked for before the file grew is stale"
+    );
+    assert_eq!(img.pool_shortfall(), Some((len, 2 * cs)));
+    // A cluster to be mapped is reserved, with the pool ahead of it.
+    let c = img.active_cluster(6).unwrap();
+    assert_eq!(c.file_offset, len);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), len + 3 * cs);
+    f.write_all_at(&[9; 4096], c.file_offset).unwrap();
+    img.record_pages(6, 0, 1).unwrap();
+    img.flush().unwrap();
+    img.close().unwrap();
+    drop(f);
+    clean(&p);
+    let got = read_all(&p);
+    assert!(got[..4096].iter().all(|&b| b == 9));
+    for v in 1..6u64 {
+        let at = (v * cs) as usize;
+        assert!(
+            got[at..at + 4096].iter().all(|&b| b == 1),
+            "page 0 from the base"
+        );
+        assert!(got[at + 4096..at + 8192].iter().all(|&b| b == v as u8 + 10));
+        assert!(got[at + 8192..at + cs as usize].iter().all(|&b| b == 1));
+    }
+}

@@ -482,7 +482,9 @@ impl RegionState {
                     continue;
                 }
             }
-            let ac = self.image.active_cluster(vcn)?;
+            // Every page is copied (pwrite) before the cluster is mapped:
+            // only those pages need space.
+            let ac = self.image.active_cluster_written(vcn)?;
             let fd = self.top_fd().map_err(|source| BarrierError::Copy {
                 vcn,
                 file_offset: ac.file_offset,

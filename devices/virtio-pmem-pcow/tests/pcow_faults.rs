@@ -84,7 +84,10 @@ impl Storage for FaultyStorage {
     fn len(&self) -> io::Result<u64> {
         self.inner.len()
     }
+    /// Growing the file is how a barrier's copy-on-write clusters get
+    /// their space once the pool is empty: an allocation too.
     fn set_len(&mut self, len: u64) -> io::Result<()> {
+        self.faults.hit("allocation")?;
         self.inner.set_len(len)
     }
     fn allocate(&mut self, offset: u64, len: u64) -> io::Result<()> {
@@ -217,8 +220,9 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
     let image = Image::open_storage(Box::new(storage), &path, OpenOptions::read_write()).unwrap();
     let gate = Arc::new(WriteGate::new());
     // No worker and a pool of one cluster: the barrier's copy-on-write
-    // clusters are allocated through the storage too, so the injected
-    // errors also hit an allocation between the harvest and the copy.
+    // clusters are allocated through the storage too (the file grown), so
+    // the injected errors also hit an allocation between the harvest and
+    // the copy.
     let opts = RegionOptions {
         pool_clusters: Some(1),
         ..RegionOptions::default()
