@@ -162,6 +162,9 @@ pub struct Image {
     /// Physical length of the file, pool included.
     pub(crate) file_len: u64,
     pool_clusters: u64,
+    /// Clusters an allocation that finds the pool empty adds beyond what it
+    /// needs; `None` is the pool's size.
+    inline_clusters: Option<u64>,
     /// Data was written since the last sync.
     pub(crate) data_dirty: bool,
     /// Staged metadata differs from the committed image.
@@ -293,6 +296,7 @@ impl Image {
             next_cluster: 0,
             file_len,
             pool_clusters: (POOL_BYTES >> g.cluster_bits()).max(1),
+            inline_clusters: None,
             data_dirty: false,
             meta_dirty: false,
             stale: Vec::new(),
@@ -532,6 +536,15 @@ impl Image {
     /// Sets how many clusters the writer pre-allocates ahead.
     pub fn set_pool_clusters(&mut self, n: u64) {
         self.pool_clusters = n.max(1);
+    }
+
+    /// Sets how many clusters an allocation that finds the pool empty
+    /// reserves beyond what it needs (default, and at most: the pool's
+    /// size). A device whose worker refills the pool keeps this small, so
+    /// that the write fault that ran the pool dry reserves a little and the
+    /// worker the rest.
+    pub fn set_inline_growth(&mut self, n: u64) {
+        self.inline_clusters = Some(n.max(1));
     }
 
     // ----- lookups -----
@@ -819,7 +832,10 @@ impl Image {
             self.file_len = need;
             return Ok(());
         }
-        let new_len = self.g.offset(end + self.pool_clusters);
+        let ahead = self
+            .inline_clusters
+            .map_or(self.pool_clusters, |n| n.min(self.pool_clusters));
+        let new_len = self.g.offset(end + ahead);
         self.storage
             .allocate(self.file_len, new_len - self.file_len)
             .map_err(io_err(&self.path, "allocating clusters"))?;

@@ -463,3 +463,34 @@ fn written_clusters_grow_the_file_sparsely_once_the_pool_is_empty() {
         assert!(got[at + 8192..at + cs as usize].iter().all(|&b| b == 1));
     }
 }
+
+#[test]
+fn inline_growth_caps_what_an_empty_pool_reserves() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("g.pcow");
+    let cs = 65536u64;
+    let mut img = create(&p, MIB, cs, None);
+    img.set_pool_clusters(12);
+    img.set_inline_growth(2);
+    // Header, then the first allocation: a segment's metadata cluster and
+    // the data cluster, and 2 clusters ahead instead of the pool's 12.
+    let c = img.active_cluster(0).unwrap();
+    assert_eq!(c.file_offset, 2 * cs);
+    assert_eq!(std::fs::metadata(&p).unwrap().len(), 5 * cs);
+    assert_eq!(
+        img.pool_shortfall(),
+        Some((5 * cs, 10 * cs)),
+        "the rest is a worker's"
+    );
+    img.set_inline_growth(100);
+    for v in 1..4 {
+        img.active_cluster(v).unwrap();
+    }
+    assert_eq!(
+        std::fs::metadata(&p).unwrap().len(),
+        (6 + 12) * cs,
+        "never more than the pool"
+    );
+    img.close().unwrap();
+    clean(&p);
+}

@@ -18,7 +18,9 @@
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use crate::fault_poll::FaultPoll;
 use crate::pcow_device::DeviceState;
 use crate::pool::EventFd;
 use crate::region::{ClusterState, RegionState};
@@ -167,6 +169,22 @@ impl Uffd {
         self.wake(start, len)
     }
 
+    /// [`Uffd::read_msgs`], retried until a message comes or `window` has
+    /// passed.
+    fn read_msgs_within(&self, buf: &mut [u8], window: Duration) -> Result<usize, MonitorError> {
+        if window.is_zero() {
+            return Ok(0);
+        }
+        let deadline = Instant::now() + window;
+        loop {
+            let n = self.read_msgs(buf)?;
+            if n > 0 || Instant::now() >= deadline {
+                return Ok(n);
+            }
+            std::hint::spin_loop();
+        }
+    }
+
     /// Reads pending messages into `buf` (a multiple of 32 bytes); returns
     /// the number of messages, 0 when none is pending.
     fn read_msgs(&self, buf: &mut [u8]) -> Result<usize, MonitorError> {
@@ -204,6 +222,9 @@ pub struct FaultCounters {
     /// Write faults resolved with zeros because mapping the cluster failed
     /// (the write is then harvested by the next barrier).
     pub fallbacks: u64,
+    /// Faults the monitor read while it polled after an earlier one, so
+    /// without being woken (see [`crate::fault_poll`]).
+    pub polled: u64,
 }
 
 /// The fd-driven half of a pcow region, owned by the VMM's event loop.
@@ -220,6 +241,8 @@ pub struct Monitor {
     pub(crate) dev: Arc<Mutex<DeviceState>>,
     pub(crate) uffd: Arc<Uffd>,
     pub(crate) pool_efd: Option<Arc<EventFd>>,
+    /// Only the thread handling the userfaultfd takes it.
+    pub(crate) poll: Mutex<FaultPoll>,
 }
 
 impl std::fmt::Debug for Monitor {
@@ -269,20 +292,28 @@ impl Monitor {
     /// Drains and resolves every pending fault; returns how many were
     /// handled. Call when [`Monitor::fd`] is readable. The first error is
     /// returned after every event read was tried (an event is never left
-    /// half-done: a fault that cannot be mapped gets zeros). Afterwards,
-    /// takes finished refills and asks the worker for one if the pool is
-    /// low.
+    /// half-done: a fault that cannot be mapped gets zeros). After each
+    /// batch, takes finished refills and asks the worker for one if the
+    /// pool is low. When nothing is pending any more, keeps reading for the
+    /// adaptive poll window ([`crate::fault_poll`], at most 50 µs by
+    /// default) before it returns, without holding the device's lock.
     pub fn handle_ready(&self) -> Result<usize, MonitorError> {
         let mut buf = [0u8; MSG_SIZE * 32];
         let mut handled = 0;
         let mut first_err = None;
+        let mut poll = self.poll.lock().map_err(|_| MonitorError::Poisoned)?;
+        let mut n = self.uffd.read_msgs(&mut buf)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        poll.fault_at(Instant::now());
+        let mut polled = false;
         loop {
-            let n = self.uffd.read_msgs(&mut buf)?;
-            if n == 0 {
-                break;
-            }
             let mut g = self.lock()?;
             let dev = &mut *g;
+            if polled {
+                dev.region.faults.polled += n as u64;
+            }
             for m in buf[..n * MSG_SIZE].chunks_exact(MSG_SIZE) {
                 if m[0] != EVENT_PAGEFAULT {
                     continue;
@@ -317,6 +348,21 @@ impl Monitor {
             }
             dev.pool.apply(&mut dev.region.image);
             dev.pool.request(&dev.region.image);
+            drop(g);
+            n = self.uffd.read_msgs(&mut buf)?;
+            if n > 0 {
+                continue;
+            }
+            // Everything pending is handled: keep reading for the window
+            // (without the device lock), the next fault of a burst is
+            // likely on its way.
+            poll.idle_at(Instant::now());
+            n = self.uffd.read_msgs_within(&mut buf, poll.window())?;
+            if n == 0 {
+                break;
+            }
+            poll.fault_at(Instant::now());
+            polled = true;
         }
         match first_err {
             Some(e) => Err(e),

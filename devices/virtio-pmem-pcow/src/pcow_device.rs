@@ -48,8 +48,9 @@ use pcow::{BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, OpenOptions
 
 use crate::barrier::{hold, with_hold, BarrierError, BarrierStats, Quiesce};
 use crate::device::{FlushBackend, FlushError};
+use crate::fault_poll::{FaultPoll, DEFAULT_FAULT_POLL};
 use crate::monitor::{error_chain, FaultCounters, Monitor};
-use crate::pool::{PoolCtl, PoolOptions, PoolStatus, DEFAULT_POOL_BYTES};
+use crate::pool::{default_pool_bytes, PoolCtl, PoolOptions, PoolStatus};
 use crate::region::{vmas_in, ClusterState, RegionError, RegionOptions, RegionState};
 
 /// What the monitor and the device share, behind one lock.
@@ -391,16 +392,18 @@ impl PcowRegion {
         let cs = image.cluster_size();
         let pool_clusters = opts
             .pool_clusters
-            .unwrap_or((DEFAULT_POOL_BYTES / cs).max(1));
+            .unwrap_or((default_pool_bytes(image.virtual_size()) / cs).max(1));
         let opts = RegionOptions {
             pool_clusters: Some(pool_clusters),
             ..opts.clone()
         };
-        let st = RegionState::build(image, &opts)?;
+        let fault_poll = opts.fault_poll.unwrap_or(DEFAULT_FAULT_POLL);
+        let mut st = RegionState::build(image, &opts)?;
         let mut pool = PoolCtl::new(pool_opts, cs, pool_clusters);
         if let Err(e) = pool.start(&st.image) {
             log::warn!("no pre-allocation worker ({e}), the pool refills inline");
         }
+        pool.configure(&mut st.image);
         // The pool is empty after the open: fill it before the first fault.
         pool.request(&st.image);
         let uffd = st.uffd.clone();
@@ -424,6 +427,7 @@ impl PcowRegion {
                 dev,
                 uffd,
                 pool_efd,
+                poll: Mutex::new(FaultPoll::new(fault_poll)),
             },
         ))
     }
@@ -677,7 +681,7 @@ fn switch(
         )
         .map_err(img_err(&plan.file, "creating the overlay"))?;
         let img = new.insert(img);
-        img.set_pool_clusters(dev.pool.pool_clusters());
+        dev.pool.configure(img);
         let base_fd = img
             .chain_files()
             .get(1)
@@ -809,7 +813,7 @@ fn recover(
             };
         }
     };
-    img.set_pool_clusters(dev.pool.pool_clusters());
+    dev.pool.configure(&mut img);
     dev.region.image = img;
     // Same file, same offsets: map shared again what was remapped. A range
     // that fails stays private over the same bytes (the barrier copies its

@@ -39,8 +39,24 @@ use std::thread::JoinHandle;
 
 use pcow::Image;
 
-/// Bytes the image pre-allocates by default (the library's pool size).
-pub const DEFAULT_POOL_BYTES: u64 = 4 << 20;
+/// The smallest default pool (the library's pool size).
+pub const DEFAULT_POOL_MIN_BYTES: u64 = 4 << 20;
+
+/// The largest default pool.
+pub const DEFAULT_POOL_MAX_BYTES: u64 = 64 << 20;
+
+/// What a write fault that finds the pool empty reserves beyond its own
+/// cluster when a worker refills the pool (the rest is the worker's).
+const INLINE_BYTES: u64 = 4 << 20;
+
+/// Bytes a device of `virtual_size` pre-allocates by default: a sixteenth
+/// of the device, between 4 and 64 MiB. A pool of a few clusters does not
+/// outlast a burst of first writes while the worker reserves the next
+/// range (with 2 MiB clusters, 4 MiB is two of them); the pool costs its
+/// size in the file (on tmpfs, in memory) until the image closes.
+pub fn default_pool_bytes(virtual_size: u64) -> u64 {
+    (virtual_size / 16).clamp(DEFAULT_POOL_MIN_BYTES, DEFAULT_POOL_MAX_BYTES)
+}
 
 /// How a device keeps its pool of pre-allocated clusters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -283,10 +299,6 @@ impl PoolCtl {
         self.efd.clone()
     }
 
-    pub(crate) fn pool_clusters(&self) -> u64 {
-        self.pool_clusters
-    }
-
     /// Starts a worker on its own handle of `image`'s file (no-op without
     /// a worker, or when one runs).
     pub(crate) fn start(&mut self, image: &Image) -> io::Result<()> {
@@ -392,6 +404,16 @@ impl PoolCtl {
         w.chan.cv.notify_one();
         self.in_flight = true;
         true
+    }
+
+    /// Sets `image`'s pool to this pool's size; when a worker refills it, a
+    /// fault that finds the pool empty reserves little beyond its own
+    /// cluster.
+    pub(crate) fn configure(&self, image: &mut Image) {
+        image.set_pool_clusters(self.pool_clusters);
+        if self.efd.is_some() {
+            image.set_inline_growth((INLINE_BYTES / self.cs).max(1));
+        }
     }
 
     /// A write fault grew the file itself.

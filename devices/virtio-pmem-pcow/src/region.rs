@@ -97,9 +97,15 @@ pub struct RegionOptions {
     /// the kernel has it).
     pub pagemap_read_fallback: bool,
     /// Clusters the image pre-allocates (fallocate) ahead of the last one
-    /// in use, see [`pcow::Image::set_pool_clusters`]. A refill happens in
-    /// the write fault that runs out: about 1.1 ms for 4 MiB on tmpfs.
+    /// in use, see [`pcow::Image::set_pool_clusters`]; `None` is
+    /// [`crate::pool::default_pool_bytes`] of the image's size. The pool's
+    /// worker refills it; without one, the write fault that runs out does
+    /// (about 1.1 ms for 4 MiB on tmpfs).
     pub pool_clusters: Option<u64>,
+    /// The longest the monitor keeps reading its userfaultfd after a fault
+    /// (see [`crate::fault_poll`]); `None` is
+    /// [`crate::fault_poll::DEFAULT_FAULT_POLL`], zero never polls.
+    pub fault_poll: Option<std::time::Duration>,
 }
 
 /// An anonymous, private, 2 MiB-aligned reservation of address space;

@@ -514,8 +514,51 @@ fn with_the_worker_write_faults_never_allocate_inline() {
     check_clean(&path2);
 }
 
+/// After a fault the monitor keeps reading its userfaultfd for a while
+/// (`RegionOptions::fault_poll`): most faults of a burst are read without
+/// a wake-up, and resolved like any other. A zero window never polls.
+#[test]
+fn the_monitor_reads_a_bursts_faults_while_it_polls() {
+    if !uffd_or_skip("the_monitor_reads_a_bursts_faults_while_it_polls") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    const N: u64 = 256;
+    for (name, window) in [
+        ("polls", Duration::from_millis(2)),
+        ("never", Duration::ZERO),
+    ] {
+        let path = dir.path().join(format!("{name}.pcow"));
+        create(&path, N * K64, K64, None).close().unwrap();
+        let opts = RegionOptions {
+            fault_poll: Some(window),
+            ..RegionOptions::default()
+        };
+        let rig = Rig::open_with(&path, &opts, &PoolOptions::default());
+        wait_pool_full(&rig);
+        let mut model = vec![0u8; (N * K64) as usize];
+        for c in 0..N {
+            let d = [c as u8 | 1, 0x5a];
+            rig.write(c * K64 + 4000, &d);
+            model[(c * K64 + 4000) as usize..][..2].copy_from_slice(&d);
+        }
+        let st = rig.status();
+        eprintln!("{name}: {:?}", st.faults);
+        assert_eq!(st.faults.write_faults, N, "{name}");
+        if window.is_zero() {
+            assert_eq!(st.faults.polled, 0, "{name}");
+        } else {
+            assert!(st.faults.polled >= N / 4, "{name}: {:?}", st.faults);
+        }
+        rig.region.barrier().unwrap();
+        rig.close();
+        same(&view(&path), &model, name);
+        check_clean(&path);
+    }
+}
+
 /// Expansion latency (first write into a hole) with and without the
-/// worker, side by side: tmpfs, 64 KiB clusters, the default 4 MiB pool.
+/// worker, side by side: tmpfs, 64 KiB clusters, a 4 MiB pool.
 /// Reported, not asserted.
 #[test]
 fn expansion_latency_with_and_without_the_worker() {
@@ -532,7 +575,11 @@ fn expansion_latency_with_and_without_the_worker() {
     let run = |name: &str, pool: &PoolOptions, fill: bool| {
         let path = dir.path().join(format!("{name}.pcow"));
         create(&path, N * K64, K64, None).close().unwrap();
-        let rig = Rig::open_with(&path, &RegionOptions::default(), pool);
+        let opts = RegionOptions {
+            pool_clusters: Some(4 * 1024 * 1024 / K64),
+            ..RegionOptions::default()
+        };
+        let rig = Rig::open_with(&path, &opts, pool);
         if pool.worker {
             wait_pool_full(&rig);
         }
