@@ -1325,6 +1325,73 @@ fn run_case(cfg: &Config, c: &Case, rep: &mut Report) -> Res<()> {
     Ok(())
 }
 
+/// The platform's cost of waking a sleeping thread: median round trip
+/// (µs) of an eventfd ping-pong between two threads, either where the
+/// scheduler puts them or both pinned to CPU 0. A userfaultfd fault is such
+/// a round trip (the faulting thread wakes the monitor, the monitor wakes
+/// it back), so it bounds expansion from below.
+fn wake_round_trip(pinned: bool) -> Res<f64> {
+    fn pin0() {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and
+        // sched_setaffinity only touch that local set (0 = this thread).
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(0, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
+    }
+    fn efd() -> Res<i32> {
+        // SAFETY: eventfd takes two integers and returns a new fd or -1.
+        let fd = unsafe { libc::eventfd(0, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        Ok(fd)
+    }
+    fn post(fd: i32) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live local buffer to our own fd.
+        unsafe { libc::write(fd, one.as_ptr().cast(), 8) };
+    }
+    fn take(fd: i32) {
+        let mut b = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a live local buffer.
+        unsafe { libc::read(fd, b.as_mut_ptr().cast(), 8) };
+    }
+    const N: usize = 5000;
+    let (ping, pong) = (efd()?, efd()?);
+    let peer = std::thread::spawn(move || {
+        if pinned {
+            pin0();
+        }
+        for _ in 0..N {
+            take(ping);
+            post(pong);
+        }
+    });
+    let mut v = Vec::with_capacity(N);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if pinned {
+                pin0();
+            }
+            for _ in 0..N {
+                let t = Instant::now();
+                post(ping);
+                take(pong);
+                v.push(us(t));
+            }
+        });
+    });
+    let _ = peer.join();
+    // SAFETY: both fds are ours and no longer used.
+    unsafe {
+        libc::close(ping);
+        libc::close(pong);
+    }
+    Ok(stats(v).p50)
+}
+
 fn main() -> Res<()> {
     let cfg = Config::from_env();
     if let Err(e) = Uffd::new() {
@@ -1338,6 +1405,12 @@ fn main() -> Res<()> {
         large_read: cfg.large_read.min(cfg.large),
         ..Report::default()
     };
+    let (free, pinned) = (wake_round_trip(false)?, wake_round_trip(true)?);
+    rep.note(format!(
+        "platform: waking a sleeping thread and being woken back (eventfd ping-pong, \
+         p50 round trip): {free:.1} µs between two threads the scheduler places, \
+         {pinned:.1} µs with both on one CPU; every userfaultfd fault is such a round trip"
+    ));
     let t0 = Instant::now();
     for (fs, dir) in &cfg.dirs {
         let work = dir.join(format!("pcow-pmem-bench.{}", std::process::id()));
