@@ -466,7 +466,9 @@ impl PcowRegion {
             let dev = &mut *g;
             dev.attached()?;
             dev.pool.apply(&mut dev.region.image);
+            let quiet = dev.pool.quiet();
             let stats = dev.region.barrier_held();
+            drop(quiet);
             dev.pool.request(&dev.region.image);
             stats
         })?;
@@ -505,7 +507,9 @@ impl PcowRegion {
             let dev = &mut *g;
             dev.attached()?;
             dev.pool.apply(&mut dev.region.image);
+            let quiet = dev.pool.quiet();
             dev.region.barrier_held()?;
+            drop(quiet);
             let r = op(&mut dev.region)?;
             dev.pool.request(&dev.region.image);
             Ok(r)
@@ -537,7 +541,9 @@ impl PcowRegion {
         }
         let plan = OverlayPlan::new(&dev.region.image, new_file)?;
         dev.pool.apply(&mut dev.region.image);
+        let quiet = dev.pool.quiet();
         let barrier = dev.region.barrier_held()?;
+        drop(quiet);
         let runs = shared_runs(&dev.region)?;
         let remapped = switch(dev, &plan, &runs)?;
         dev.overlays += 1;
