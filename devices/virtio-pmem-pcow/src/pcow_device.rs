@@ -74,6 +74,13 @@ impl Drop for DeviceState {
 }
 
 impl DeviceState {
+    /// The region's barrier, with the pool worker kept from starting a new
+    /// piece of a refill meanwhile (see [`PoolCtl::quiet`]).
+    fn barrier_quiet(&mut self) -> Result<BarrierStats, BarrierError> {
+        let _quiet = self.pool.quiet();
+        self.region.barrier_held()
+    }
+
     /// Fails when the device has no writable image.
     fn attached(&self) -> Result<(), BarrierError> {
         match &self.detached {
@@ -466,9 +473,7 @@ impl PcowRegion {
             let dev = &mut *g;
             dev.attached()?;
             dev.pool.apply(&mut dev.region.image);
-            let quiet = dev.pool.quiet();
-            let stats = dev.region.barrier_held();
-            drop(quiet);
+            let stats = dev.barrier_quiet();
             dev.pool.request(&dev.region.image);
             stats
         })?;
@@ -507,9 +512,7 @@ impl PcowRegion {
             let dev = &mut *g;
             dev.attached()?;
             dev.pool.apply(&mut dev.region.image);
-            let quiet = dev.pool.quiet();
-            dev.region.barrier_held()?;
-            drop(quiet);
+            dev.barrier_quiet()?;
             let r = op(&mut dev.region)?;
             dev.pool.request(&dev.region.image);
             Ok(r)
@@ -541,9 +544,7 @@ impl PcowRegion {
         }
         let plan = OverlayPlan::new(&dev.region.image, new_file)?;
         dev.pool.apply(&mut dev.region.image);
-        let quiet = dev.pool.quiet();
-        let barrier = dev.region.barrier_held()?;
-        drop(quiet);
+        let barrier = dev.barrier_quiet()?;
         let runs = shared_runs(&dev.region)?;
         let remapped = switch(dev, &plan, &runs)?;
         dev.overlays += 1;
