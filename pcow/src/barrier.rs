@@ -1,5 +1,5 @@
 //! The barrier: the only place metadata reaches the file, in the order the
-//! spec's "Updates: the barrier" section defines (data, sync, metadata slots,
+//! spec's "Updates: the barrier" section defines (data and metadata slots,
 //! sync, header slot, sync).
 
 use crate::error::{Error, Result};
@@ -28,11 +28,11 @@ impl Image {
             return Ok(());
         }
         let path = self.path.clone();
-        if self.data_dirty {
-            self.storage.sync().map_err(io_err(&path, "syncing data"))?;
-            self.data_dirty = false;
-        }
         if !self.meta_dirty {
+            if self.data_dirty {
+                self.storage.sync().map_err(io_err(&path, "syncing data"))?;
+                self.data_dirty = false;
+            }
             return Ok(());
         }
         // Readers refuse generations past the limit, so never write one.
@@ -79,10 +79,15 @@ impl Image {
                 .map_err(io_err(&path, "writing a snapshot cluster"))?;
             written.push(Written::Layer(i, slot));
         }
-        if !written.is_empty() {
+        // One sync covers the data and the new slots: until the header
+        // names generation `gen` the slots are stale and readers ignore
+        // them, so their order against the data does not matter; only the
+        // header must follow both.
+        if self.data_dirty || !written.is_empty() {
             self.storage
                 .sync()
-                .map_err(io_err(&path, "syncing metadata"))?;
+                .map_err(io_err(&path, "syncing data and metadata"))?;
+            self.data_dirty = false;
         }
         let mut h = self.header.clone();
         h.generation = gen;
