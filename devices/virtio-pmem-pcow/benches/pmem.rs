@@ -33,7 +33,8 @@
 //! `64,2048`), `PMEM_BENCH_REGION_MIB` (default 1024),
 //! `PMEM_BENCH_LARGE_GIB` (default 64, 0 skips), `PMEM_BENCH_LARGE_READ_GIB`
 //! (default 4), `PMEM_BENCH_OUT` (result files, default `pmem-bench` in the
-//! current directory), `PMEM_BENCH_QEMU` (0 skips `qemu-img`).
+//! current directory), `PMEM_BENCH_QEMU` (0 skips `qemu-img`),
+//! `PMEM_BENCH_SMALL` (0 skips sections 1-4, the ones on the small region).
 //! Nothing here asserts a timing.
 
 use std::collections::BTreeMap;
@@ -67,6 +68,7 @@ struct Config {
     large_read: u64,
     out: PathBuf,
     qemu: bool,
+    small: bool,
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -106,6 +108,7 @@ impl Config {
                 .map(PathBuf::from)
                 .unwrap_or_else(|| PathBuf::from("pmem-bench")),
             qemu: env_u64("PMEM_BENCH_QEMU", 1) != 0,
+            small: env_u64("PMEM_BENCH_SMALL", 1) != 0,
         }
     }
 }
@@ -1310,10 +1313,12 @@ fn qemu(c: &Case, rep: &mut Report) -> Res<()> {
 }
 
 fn run_case(cfg: &Config, c: &Case, rep: &mut Report) -> Res<()> {
-    let raw = expansion_steady_cow(c, rep)?;
-    barrier_pending(c, &raw, rep)?;
-    drop(raw);
-    let _ = std::fs::remove_file(c.dir.join("raw.img"));
+    if cfg.small {
+        let raw = expansion_steady_cow(c, rep)?;
+        barrier_pending(c, &raw, rep)?;
+        drop(raw);
+        let _ = std::fs::remove_file(c.dir.join("raw.img"));
+    }
     if cfg.large > 0 {
         barrier_large(c, cfg.large, cfg.large_read, rep)?;
     }

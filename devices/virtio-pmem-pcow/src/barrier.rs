@@ -188,6 +188,9 @@ pub struct BarrierStats {
     pub remap_failures: u64,
     /// Whether write tracking (WP-async) found the pages.
     pub tracked: bool,
+    /// Whether a tracked scan took two walks (many present pages
+    /// protected; see `PageScanner::written_since`), not one.
+    pub two_walks: bool,
     /// Time spent finding the written pages.
     pub scan: Duration,
     /// Time spent copying pages into the image and remapping.
@@ -241,16 +244,14 @@ pub fn is_out_of_space(e: &(dyn std::error::Error + 'static)) -> bool {
 impl RegionState {
     /// Maximal runs `[first, end)` of clusters in `state`.
     fn cluster_runs(&self, state: ClusterState) -> Vec<(u64, u64)> {
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for (i, &c) in self.clusters.iter().enumerate() {
-            if c != state {
-                continue;
+        let mut runs = Vec::new();
+        let mut i = 0u64;
+        for same in self.clusters.chunk_by(|a, b| a == b) {
+            let n = same.len() as u64;
+            if same[0] == state {
+                runs.push((i, i + n));
             }
-            let i = i as u64;
-            match runs.last_mut() {
-                Some(last) if last.1 == i => last.1 = i + 1,
-                _ => runs.push((i, i + 1)),
-            }
+            i += n;
         }
         runs
     }
@@ -391,7 +392,10 @@ impl RegionState {
         let cs = self.cs;
         stats.tracked = self.tracker.is_some();
         let runs = if stats.tracked {
-            self.tracked_runs(true)?
+            let before = self.scanner.two_walk_scans();
+            let runs = self.tracked_runs(true)?;
+            stats.two_walks = self.scanner.two_walk_scans() > before;
+            runs
         } else {
             self.written_runs()?
         };

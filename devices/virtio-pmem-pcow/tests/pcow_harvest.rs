@@ -411,6 +411,89 @@ fn a_zero_mapped_hole_still_becomes_a_whole_shared_cluster() {
     ));
 }
 
+/// The scan takes one walk while few pages are protected and two once
+/// many are (see `PageScanner::written_since`); the two protect
+/// differently (the pages found, or whole page tables), and every write is
+/// found before, at and after the switch: into pages written before, next
+/// to them, into pages read, and into pages never touched.
+#[test]
+fn writes_are_found_across_the_switch_from_one_scan_walk_to_two() {
+    if !uffd_or_skip("writes_are_found_across_the_switch_from_one_scan_walk_to_two") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // 32 MiB: 16 page tables, so one walk while at most 16 pages are
+    // protected.
+    let (top, mut model) = over_full_base(dir.path(), 512, K64);
+    let rig = Rig::open(&top);
+    let len = model.len();
+    let table: u64 = 2 << 20;
+    let mut seed = 100;
+    let mut write_pages = |rig: &Rig, model: &mut Vec<u8>, pages: &[u64]| {
+        for &p in pages {
+            seed += 1;
+            w(rig, model, p * PAGE + 17, seed, 9);
+        }
+        pages.len() as u64
+    };
+    for round in 0..3u64 {
+        // One page in each of four tables.
+        let pages: Vec<u64> = (0..4)
+            .map(|t| (t * 4 + round) * (table / PAGE) + 7 * round + 1)
+            .collect();
+        let n = write_pages(&rig, &mut model, &pages);
+        let s = rig.region.barrier().unwrap();
+        assert!(s.tracked, "this test needs WP-async write tracking");
+        assert_eq!((s.private_pages, s.two_walks), (n, false), "round {round}");
+    }
+    // Read 8 MiB: 2048 file pages to protect, which ends the one walk.
+    assert_eq!(
+        rig.read(4 * table, (4 * table) as usize),
+        model[(4 * table) as usize..][..(4 * table) as usize]
+    );
+    let s = rig.region.barrier().unwrap();
+    assert_eq!(
+        (s.private_pages, s.two_walks),
+        (0, false),
+        "reads are not writes"
+    );
+    // Into a page written before, next to written pages (empty entries the
+    // one walk left unprotected), into read pages, into untouched tables.
+    let pages = [
+        1,
+        2,
+        3,
+        table / PAGE + 9,
+        4 * table / PAGE + 5,
+        6 * table / PAGE + 300,
+        14 * table / PAGE + 1,
+        15 * table / PAGE + 511,
+    ];
+    let n = write_pages(&rig, &mut model, &pages);
+    assert_eq!(rig.region.status().unwrap().pending_private_pages, n);
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.two_walks), (n, true));
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.two_walks), (0, true), "nothing new");
+    // Again next to everything written so far, and into read pages.
+    let pages = [
+        4,
+        table / PAGE + 10,
+        4 * table / PAGE + 6,
+        7 * table / PAGE + 2,
+        14 * table / PAGE + 2,
+        15 * table / PAGE + 510,
+    ];
+    let n = write_pages(&rig, &mut model, &pages);
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.two_walks), (n, true));
+    assert_eq!(rig.read(0, len), model);
+    rig.close();
+    let img = Image::open(&top, OpenOptions::read_only()).unwrap();
+    assert_eq!(view(&img), model);
+    check_clean(&top);
+}
+
 /// A guest write of `pattern(seed, len)` at `off`, mirrored in `model`.
 fn w(rig: &Rig, model: &mut [u8], off: u64, seed: u64, len: usize) {
     let d = pattern(seed, len);
