@@ -12,7 +12,9 @@
 //!    order), with the image's default pool (refilled inside the fault
 //!    that runs out) and with a pool pre-filled for the whole region (what
 //!    a pre-allocation worker keeps), interleaved with the first touch of
-//!    the same cluster of a raw sparse file mapped `MAP_SHARED`;
+//!    the same cluster of a raw sparse file mapped `MAP_SHARED` and with a
+//!    bare userfaultfd handler (the mechanism's floor: map a reserved
+//!    file cluster and wake, nothing else);
 //! 2. steady state once every cluster is mapped: a first full write pass,
 //!    1 MiB sequential copies over the whole region and 4 KiB random
 //!    writes, pcow vs the raw mapping, and the region's VMA count;
@@ -50,6 +52,7 @@ use std::time::Instant;
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image};
 use virtio_pmem_pcow::monitor::Uffd;
+use virtio_pmem_pcow::uffd;
 use virtio_pmem_pcow::{Monitor, PcowRegion, PoolOptions, RegionOptions, WriteGate};
 
 const PAGE: u64 = 4096;
@@ -293,6 +296,161 @@ impl Drop for RawMap {
         // SAFETY: the mapping made in `create`; nothing uses it any more.
         unsafe { libc::munmap(self.addr, self.len as usize) };
     }
+}
+
+/// The floor of userfaultfd expansion on this machine: a handler thread
+/// that does only what any expansion must (read the fault, map a file
+/// cluster reserved beforehand over the faulting cluster, wake the writer)
+/// and, like the monitor, keeps reading for 50 µs after each fault before
+/// it sleeps in `poll`. No image, no pool, no lock: what pcow's expansion
+/// costs beyond it is pcow's own.
+struct BareHandler {
+    addr: *mut libc::c_void,
+    len: u64,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<Result<u64, String>>>,
+}
+
+/// The bare handler's polling window (the monitor's default maximum).
+const BARE_POLL: std::time::Duration = std::time::Duration::from_micros(50);
+
+impl BareHandler {
+    fn create(path: &Path, len: u64, cs: u64) -> Res<BareHandler> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)?;
+        // Every cluster reserved up front, as a pre-filled pool is.
+        // SAFETY: fallocate on an fd we own; no memory is passed.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        // SAFETY: a new anonymous reservation at an address the kernel
+        // picks; checked below.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        let mut bare = BareHandler {
+            addr,
+            len,
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: None,
+        };
+        let fd = uffd::open(0).map_err(|e| format!("userfaultfd: {e:?}"))?;
+        uffd::register(&fd, addr as u64, len, uffd::MODE_MISSING)?;
+        let (base, stop) = (addr as u64, bare.stop.clone());
+        bare.thread = Some(std::thread::spawn(move || {
+            bare_loop(&fd, &file, base, cs, &stop)
+        }));
+        Ok(bare)
+    }
+
+    fn mem(&self) -> Mem {
+        // SAFETY: the reservation lives as long as `self`, and every `Mem`
+        // made here is used only while `self` lives (within this benchmark).
+        unsafe { Mem::new(self.addr.cast(), self.len) }
+    }
+
+    /// Stops the handler; returns the faults it resolved.
+    fn finish(mut self) -> Res<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => Ok(r?),
+            Some(Err(_)) => Err("the bare handler panicked".into()),
+            None => Ok(0),
+        }
+    }
+}
+
+impl Drop for BareHandler {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // SAFETY: the reservation made in `create`; its handler is gone
+        // and nothing uses it any more.
+        unsafe { libc::munmap(self.addr, self.len as usize) };
+    }
+}
+
+fn bare_loop(
+    fd: &std::os::fd::OwnedFd,
+    file: &File,
+    base: u64,
+    cs: u64,
+    stop: &AtomicBool,
+) -> Result<u64, String> {
+    let mut buf = [0u8; uffd::MSG_SIZE * 32];
+    let mut faults = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let mut pfd = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the call.
+        unsafe { libc::poll(&mut pfd, 1, 20) };
+        let mut until = None;
+        loop {
+            // SAFETY: `buf` is writable for its whole length.
+            let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                if until.is_none_or(|u| Instant::now() >= u) {
+                    break;
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            for m in buf[..n as usize].chunks_exact(uffd::MSG_SIZE) {
+                if m[0] != uffd::EVENT_PAGEFAULT {
+                    continue;
+                }
+                let mut w = [0u8; 8];
+                w.copy_from_slice(&m[16..24]);
+                let off = (u64::from_ne_bytes(w) - base) / cs * cs;
+                // SAFETY: replaces one cluster of the reservation (owned by
+                // the benchmark, which only writes it through raw pointers)
+                // with the same range of the file, reserved and zero.
+                let p = unsafe {
+                    libc::mmap(
+                        (base + off) as *mut libc::c_void,
+                        cs as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED | libc::MAP_FIXED,
+                        file.as_raw_fd(),
+                        off as libc::off_t,
+                    )
+                };
+                if p == libc::MAP_FAILED {
+                    return Err(format!("mmap: {}", std::io::Error::last_os_error()));
+                }
+                let mut range = uffd::UffdioRange {
+                    start: base + off,
+                    len: cs,
+                };
+                // SAFETY: a valid `uffdio_range`; waking touches no memory.
+                if unsafe { libc::ioctl(fd.as_raw_fd(), uffd::UFFDIO_WAKE as _, &mut range) } < 0 {
+                    return Err(format!("UFFDIO_WAKE: {}", std::io::Error::last_os_error()));
+                }
+                faults += 1;
+            }
+            until = Some(Instant::now() + BARE_POLL);
+        }
+    }
+    Ok(faults)
 }
 
 // ---------------------------------------------------------------- region
@@ -559,7 +717,7 @@ impl Report {
     }
 }
 
-const LATENCY_SERIES: [&str; 10] = [
+const LATENCY_SERIES: [&str; 11] = [
     "raw_first_touch",
     "pcow_expansion_worker",
     "pcow_expansion_inline",
@@ -570,6 +728,7 @@ const LATENCY_SERIES: [&str; 10] = [
     "qcow2_allocating",
     "qcow2_overwrite",
     "qcow2_overlay_cow",
+    "bare_uffd_expansion",
 ];
 
 const STEADY_SERIES: [&str; 3] = ["seq_1MiB", "random_4KiB", "first_pass"];
@@ -631,18 +790,26 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     let rig_w = fresh_region(&c.dir.join("worker.pcow"), cs, size, Pool::Worker)?;
     let rig_i = fresh_region(&c.dir.join("inline.pcow"), cs, size, Pool::Inline)?;
     let rig_b = fresh_region(&c.dir.join("prefilled.pcow"), cs, size, Pool::Prefilled)?;
+    let bare = BareHandler::create(&c.dir.join("bare.img"), size, cs)?;
     // Let the worker fill its first pool, as it would before a guest runs.
     std::thread::sleep(std::time::Duration::from_millis(200));
     let order = Rng(0x5eed ^ cs).shuffled(n);
-    let (mr, mw, mi, mb) = (raw.mem(), rig_w.mem(), rig_i.mem(), rig_b.mem());
-    let (mut tr, mut tw, mut ti, mut tb) = (vec![], vec![], vec![], vec![]);
+    let (mr, mw, mi, mb, mx) = (raw.mem(), rig_w.mem(), rig_i.mem(), rig_b.mem(), bare.mem());
+    let (mut tr, mut tw, mut ti, mut tb, mut tx) = (vec![], vec![], vec![], vec![], vec![]);
     // Each variant writes a run of clusters in turn: the first writes of a
     // guest come in bursts (and the monitor's polling is made for them),
     // while the turns keep the variants side by side in time. The variant
     // that goes first rotates.
     for (k, run) in order.chunks(EXPANSION_RUN).enumerate() {
-        let mut sides = [(mr, &mut tr), (mw, &mut tw), (mi, &mut ti), (mb, &mut tb)];
-        sides.rotate_left(k % 4);
+        let mut sides = [
+            (mr, &mut tr),
+            (mw, &mut tw),
+            (mi, &mut ti),
+            (mb, &mut tb),
+            (mx, &mut tx),
+        ];
+        let turns = sides.len();
+        sides.rotate_left(k % turns);
         for (m, v) in sides {
             for &cl in run {
                 let t = Instant::now();
@@ -651,13 +818,15 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
             }
         }
     }
-    let (sr, sw, si, sb) = (stats(tr), stats(tw), stats(ti), stats(tb));
+    let bare_faults = bare.finish()?;
+    let _ = std::fs::remove_file(c.dir.join("bare.img"));
+    let (sr, sw, si, sb, sx) = (stats(tr), stats(tw), stats(ti), stats(tb), stats(tx));
     let (vw, vi, vb) = (rig_w.vmas(), rig_i.vmas(), rig_b.vmas());
     let stw = rig_w.region.status()?;
     let title = "1. Expansion: first 1-byte write into a hole (µs per cluster)";
     rep.table(
         title,
-        "| fs | cluster | samples | raw first touch p50 / p99 | pcow, pool worker (default) p50 / p99 | pcow, inline refill p50 / p99 | pcow, pool pre-filled p50 / p99 | pcow / raw (p50, default) | VMAs after (default / inline / pre-filled) |",
+        "| fs | cluster | samples | raw first touch p50 / p99 | bare userfaultfd handler p50 / p99 | pcow, pool worker (default) p50 / p99 | pcow, inline refill p50 / p99 | pcow, pool pre-filled p50 / p99 | pcow / bare handler (p50: default, pre-filled) | pcow / raw (p50, default) | VMAs after (default / inline / pre-filled) |",
     );
     rep.row(
         title,
@@ -666,9 +835,11 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
             short_cs(cs),
             n.to_string(),
             format!("{} / {}", f1(sr.p50), f1(sr.p99)),
+            format!("{} / {}", f1(sx.p50), f1(sx.p99)),
             format!("**{}** / {}", f1(sw.p50), f1(sw.p99)),
             format!("{} / {}", f1(si.p50), f1(si.p99)),
             format!("{} / {}", f1(sb.p50), f1(sb.p99)),
+            format!("{}, {}", ratio(sw.p50, sx.p50), ratio(sb.p50, sx.p50)),
             ratio(sw.p50, sr.p50),
             format!("{vw} / {vi} / {vb}"),
         ],
@@ -677,6 +848,13 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     rep.tsv("expansion", &c.name, "pcow_worker", &sw, "us");
     rep.tsv("expansion", &c.name, "pcow_inline", &si, "us");
     rep.tsv("expansion", &c.name, "pcow_prefilled", &sb, "us");
+    rep.tsv("expansion", &c.name, "bare_uffd_handler", &sx, "us");
+    if bare_faults != n {
+        rep.note(format!(
+            "{}: the bare handler resolved {bare_faults} faults for {n} clusters",
+            c.name
+        ));
+    }
     rep.note(format!(
         "{}: expansion with the worker: {} write faults ({} read by the monitor while it polled), \
          {} fallbacks; pool: {} refills by the worker, {} faults that had to allocate inline",
@@ -692,6 +870,7 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     lat.insert("pcow_expansion_worker", sw.p50);
     lat.insert("pcow_expansion_inline", si.p50);
     lat.insert("pcow_expansion_prefilled", sb.p50);
+    lat.insert("bare_uffd_expansion", sx.p50);
     rig_w.close();
     rig_i.close();
     let _ = std::fs::remove_file(c.dir.join("worker.pcow"));

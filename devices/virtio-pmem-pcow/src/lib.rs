@@ -33,7 +33,7 @@ pub mod pool;
 pub mod raw;
 pub mod region;
 pub mod request;
-mod uffd;
+pub mod uffd;
 
 pub use barrier::{is_out_of_space, BarrierError, BarrierStats, Quiesce, WriteGate};
 pub use device::{

@@ -1,7 +1,8 @@
 //! The userfaultfd ABI (linux/userfaultfd.h) over raw `libc`, shared by the
 //! monitor (missing faults of holes) and the write tracker (write-protect,
 //! asynchronous). Raw ioctls rather than the `userfaultfd` crate: its
-//! bindgen build needs libclang on every machine, for five ioctls.
+//! bindgen build needs libclang on every machine, for five ioctls. Public
+//! for the benchmark's bare fault handler, the baseline of the monitor.
 
 use std::mem::size_of;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -27,8 +28,10 @@ struct UffdioApi {
 /// `struct uffdio_range`.
 #[repr(C)]
 #[derive(Default, Clone, Copy)]
-pub(crate) struct UffdioRange {
+pub struct UffdioRange {
+    /// First byte (page aligned).
     pub start: u64,
+    /// Length in bytes (page aligned).
     pub len: u64,
 }
 
@@ -52,16 +55,21 @@ struct UffdioWriteprotect {
 /// `struct uffdio_zeropage`.
 #[repr(C)]
 #[derive(Default)]
-pub(crate) struct UffdioZeropage {
+pub struct UffdioZeropage {
+    /// The pages to fill.
     pub range: UffdioRange,
+    /// `UFFDIO_ZEROPAGE_MODE_*` (0: wake the waiters).
     pub mode: u64,
+    /// Out: bytes filled, or a negative errno.
     pub zeropage: i64,
 }
 
 const UFFDIO_API: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
 const UFFDIO_REGISTER: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
-pub(crate) const UFFDIO_WAKE: libc::c_ulong = ioc(IOC_READ, 0x02, size_of::<UffdioRange>());
-pub(crate) const UFFDIO_ZEROPAGE: libc::c_ulong =
+/// `UFFDIO_WAKE` (a [`UffdioRange`]).
+pub const UFFDIO_WAKE: libc::c_ulong = ioc(IOC_READ, 0x02, size_of::<UffdioRange>());
+/// `UFFDIO_ZEROPAGE` (a [`UffdioZeropage`]).
+pub const UFFDIO_ZEROPAGE: libc::c_ulong =
     ioc(IOC_READ | IOC_WRITE, 0x04, size_of::<UffdioZeropage>());
 const UFFDIO_WRITEPROTECT: libc::c_ulong =
     ioc(IOC_READ | IOC_WRITE, 0x06, size_of::<UffdioWriteprotect>());
@@ -71,23 +79,23 @@ const WRITEPROTECT_MODE_WP: u64 = 1;
 const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
 
 /// `UFFDIO_REGISTER_MODE_MISSING`.
-pub(crate) const MODE_MISSING: u64 = 1;
+pub const MODE_MISSING: u64 = 1;
 /// `UFFDIO_REGISTER_MODE_WP`.
-pub(crate) const MODE_WP: u64 = 2;
+pub const MODE_WP: u64 = 2;
 /// `UFFD_FEATURE_WP_UNPOPULATED` (Linux 6.4).
-pub(crate) const FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
+pub const FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 /// `UFFD_FEATURE_WP_ASYNC` (Linux 6.7).
-pub(crate) const FEATURE_WP_ASYNC: u64 = 1 << 15;
+pub const FEATURE_WP_ASYNC: u64 = 1 << 15;
 /// `UFFD_EVENT_PAGEFAULT`.
-pub(crate) const EVENT_PAGEFAULT: u8 = 0x12;
+pub const EVENT_PAGEFAULT: u8 = 0x12;
 /// `UFFD_PAGEFAULT_FLAG_WRITE`.
-pub(crate) const PAGEFAULT_FLAG_WRITE: u64 = 1;
+pub const PAGEFAULT_FLAG_WRITE: u64 = 1;
 /// Size of `struct uffd_msg`.
-pub(crate) const MSG_SIZE: usize = 32;
+pub const MSG_SIZE: usize = 32;
 
 /// Why a userfaultfd could not be had.
 #[derive(Debug)]
-pub(crate) enum OpenError {
+pub enum OpenError {
     /// Neither the syscall nor `/dev/userfaultfd` gave one (the syscall's error).
     Create(std::io::Error),
     /// The `UFFDIO_API` handshake refused the features.
@@ -98,7 +106,7 @@ pub(crate) enum OpenError {
 /// sees faults taken in kernel mode (KVM reaches guest memory through
 /// `get_user_pages`). Falls back to `/dev/userfaultfd` (Linux 6.1+) for
 /// users the `vm.unprivileged_userfaultfd` sysctl does not allow.
-pub(crate) fn open(features: u64) -> Result<OwnedFd, OpenError> {
+pub fn open(features: u64) -> Result<OwnedFd, OpenError> {
     let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
     // SAFETY: the syscall takes one integer argument and returns a new fd
     // or -1; no memory is passed.
@@ -141,7 +149,7 @@ fn from_dev(flags: libc::c_int) -> std::io::Result<RawFd> {
 }
 
 /// Registers `[start, start + len)` with `fd` in `mode`.
-pub(crate) fn register(fd: &OwnedFd, start: u64, len: u64, mode: u64) -> std::io::Result<()> {
+pub fn register(fd: &OwnedFd, start: u64, len: u64, mode: u64) -> std::io::Result<()> {
     let mut reg = UffdioRegister {
         range: UffdioRange { start, len },
         mode,
@@ -158,7 +166,7 @@ pub(crate) fn register(fd: &OwnedFd, start: u64, len: u64, mode: u64) -> std::io
 
 /// Write-protects `[start, start + len)`, registered with `fd` in
 /// write-protect mode.
-pub(crate) fn write_protect(fd: &OwnedFd, start: u64, len: u64) -> std::io::Result<()> {
+pub fn write_protect(fd: &OwnedFd, start: u64, len: u64) -> std::io::Result<()> {
     let mut wp = UffdioWriteprotect {
         range: UffdioRange { start, len },
         mode: WRITEPROTECT_MODE_WP,
