@@ -7,7 +7,7 @@
 # directory under /var/tmp), with 64 KiB and 2 MiB clusters
 # (devices/virtio-pmem-pcow/benches/pmem.rs):
 #   1. expansion: first 1-byte write into a hole vs first touch of a raw
-#      sparse file mapping (MAP_SHARED);
+#      sparse file mapping (MAP_SHARED) and a bare userfaultfd handler;
 #   2. steady state after mapping: 1 MiB sequential copies and 4 KiB random
 #      writes, pcow / raw, and the region's VMA count;
 #   3. copy-on-write: first write into a snapshotted page vs a write to an
@@ -24,7 +24,8 @@
 # PMEM_BENCH_DISK_DIR (default /var/tmp), PMEM_BENCH_TMPFS_DIR (default
 # /dev/shm), and the bench's own PMEM_BENCH_* knobs (see benches/pmem.rs):
 # PMEM_BENCH_REGION_MIB (1024), PMEM_BENCH_LARGE_GIB (64),
-# PMEM_BENCH_LARGE_READ_GIB (4), PMEM_BENCH_CLUSTERS (KiB, "64,2048").
+# PMEM_BENCH_LARGE_READ_GIB (4), PMEM_BENCH_CLUSTERS (KiB, "64,2048"),
+# PMEM_BENCH_SMALL (0 skips sections 1-4).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
