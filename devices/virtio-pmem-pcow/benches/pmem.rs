@@ -251,15 +251,20 @@ struct RawMap {
     len: u64,
 }
 
+/// Creates (or empties) a file for reading and writing.
+fn new_file(path: &Path) -> Res<File> {
+    Ok(std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?)
+}
+
 impl RawMap {
     /// Creates a sparse file of `len` bytes and maps it.
     fn create(path: &Path, len: u64) -> Res<RawMap> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)?;
+        let file = new_file(path)?;
         file.set_len(len)?;
         // SAFETY: a new shared mapping of a file we own, at an address the
         // kernel picks; checked below.
@@ -316,12 +321,7 @@ const BARE_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
 impl BareHandler {
     fn create(path: &Path, len: u64, cs: u64) -> Res<BareHandler> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)?;
+        let file = new_file(path)?;
         // Every cluster reserved up front, as a pre-filled pool is.
         // SAFETY: fallocate on an fd we own; no memory is passed.
         if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
