@@ -27,7 +27,7 @@
 //!
 //! The worker's handle shares the writer's open file description, and so
 //! its `flock`: it must be closed (the worker stopped and joined) before
-//! the image closes or anyone reopens it. [`PoolCtl::stop`] does that and
+//! the image closes or anyone reopens it. `PoolCtl::stop` does that and
 //! takes the last completions, so that the image's idea of its length
 //! covers everything the worker extended.
 
