@@ -12,6 +12,19 @@ enum Written {
     Layer(usize, u8),
 }
 
+impl Image {
+    /// Writes the slot `buf` at `at`: only the prefix that can differ from
+    /// what the file holds (see [`crate::slot_ends`]).
+    /// Returns the content's end for [`crate::slot_ends::SlotEnds::synced`].
+    fn write_slot(&mut self, buf: &[u8], at: u64) -> std::io::Result<usize> {
+        let p = self.slot_ends.prefix_to_write(at, buf);
+        if p.len > 0 {
+            self.storage.write_at(&buf[..p.len], at)?;
+        }
+        Ok(p.content_end)
+    }
+}
+
 fn other(slot: Option<u8>) -> u8 {
     match slot {
         Some(0) => 1,
@@ -46,20 +59,32 @@ impl Image {
         let g = self.g;
         let slot_bytes = g.slot_size() as u64;
         let mut written = Vec::new();
+        // Slots written, to record once a sync has made them durable.
+        let mut slots = Vec::new();
         let mut entries = Vec::new();
-        for (i, seg) in self.segments.iter().enumerate().filter(|(_, s)| s.dirty) {
+        for i in 0..self.segments.len() {
+            let seg = &self.segments[i];
+            if !seg.dirty {
+                continue;
+            }
             entries.clear();
             for e in seg.first..seg.first + seg.used {
                 push_entry(&mut entries, self.entries[e as usize].vcn, self.bitmap(e));
             }
             let slot = other(seg.cur_slot);
             let buf = encode_meta(g, gen, seg.meta, seg.layer, seg.used, &entries);
-            self.storage
-                .write_at(&buf, g.offset(seg.meta) + u64::from(slot) * slot_bytes)
+            let at = g.offset(seg.meta) + u64::from(slot) * slot_bytes;
+            let end = self
+                .write_slot(&buf, at)
                 .map_err(io_err(&path, "writing a meta cluster"))?;
             written.push(Written::Segment(i, slot));
+            slots.push((at, end));
         }
-        for (i, layer) in self.layers.iter().enumerate().filter(|(_, l)| l.dirty) {
+        for i in 0..self.layers.len() {
+            let layer = &self.layers[i];
+            if !layer.dirty {
+                continue;
+            }
             let (snapshot_id, tag, time_sec, time_nsec) = match &layer.snap {
                 Some(s) => (s.id, s.tag.clone(), s.time_sec, s.time_nsec),
                 None => (0, String::new(), 0, 0),
@@ -74,10 +99,12 @@ impl Image {
             };
             let slot = other(layer.cur_slot);
             let buf = encode_snap(g, gen, layer.start, &s);
-            self.storage
-                .write_at(&buf, g.offset(layer.start) + u64::from(slot) * slot_bytes)
+            let at = g.offset(layer.start) + u64::from(slot) * slot_bytes;
+            let end = self
+                .write_slot(&buf, at)
                 .map_err(io_err(&path, "writing a snapshot cluster"))?;
             written.push(Written::Layer(i, slot));
+            slots.push((at, end));
         }
         // One sync covers the data and the new slots: until the header
         // names generation `gen` the slots are stale and readers ignore
@@ -89,6 +116,9 @@ impl Image {
                 .map_err(io_err(&path, "syncing data and metadata"))?;
             self.data_dirty = false;
         }
+        for (at, end) in slots {
+            self.slot_ends.synced(at, end);
+        }
         let mut h = self.header.clone();
         h.generation = gen;
         h.cluster_count = self.next_cluster;
@@ -96,12 +126,15 @@ impl Image {
         h.layer_count = self.layers.len() as u32;
         h.snapshot_count = self.layers.iter().filter(|l| l.snap.is_some()).count() as u32;
         let hslot = other(Some(self.header_slot));
-        self.storage
-            .write_at(&h.encode(), u64::from(hslot) * slot_bytes)
+        let hbuf = h.encode();
+        let hat = u64::from(hslot) * slot_bytes;
+        let hend = self
+            .write_slot(&hbuf, hat)
             .map_err(io_err(&path, "writing the header"))?;
         self.storage
             .sync()
             .map_err(io_err(&path, "syncing the header"))?;
+        self.slot_ends.synced(hat, hend);
         // Committed: the written slots are now the current ones.
         for w in written {
             match w {

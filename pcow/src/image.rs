@@ -171,6 +171,8 @@ pub struct Image {
     pub(crate) meta_dirty: bool,
     /// File offsets of stale or torn slots found by the scan (L2).
     pub(crate) stale: Vec<u64>,
+    /// What the file holds past each slot's content (short slot writes).
+    pub(crate) slot_ends: crate::slot_ends::SlotEnds,
     /// Clusters past the committed end at open time (L1).
     pub(crate) uncommitted_at_open: u64,
     /// DIRTY was set when the image was opened (L3).
@@ -270,7 +272,7 @@ impl Image {
             source,
         };
         let file_len = storage.len().map_err(io_err(path, "reading the size"))?;
-        let (header, header_slot) =
+        let (header, header_slot, header_slots) =
             crate::scan::read_header(storage.as_ref(), file_len).map_err(|e| match e {
                 crate::scan::HeaderError::Io(source) => Error::Io {
                     path: path.to_owned(),
@@ -300,6 +302,7 @@ impl Image {
             data_dirty: false,
             meta_dirty: false,
             stale: Vec::new(),
+            slot_ends: crate::slot_ends::SlotEnds::default(),
             uncommitted_at_open: 0,
             findings: Vec::new(),
             base: None,
@@ -307,6 +310,12 @@ impl Image {
             // refused image must be left exactly as it was.
             closed: true,
         };
+        for (slot, end) in header_slots.into_iter().enumerate() {
+            if let Some(end) = end {
+                img.slot_ends
+                    .synced(slot as u64 * g.slot_size() as u64, end);
+            }
+        }
         img.scan(opts.lenient)?;
         img.uncommitted_at_open = (file_len >> g.cluster_bits())
             .saturating_sub(img.header.cluster_count)
@@ -436,12 +445,17 @@ impl Image {
         let path = self.path.clone();
         if !self.stale.is_empty() {
             let zeros = vec![0u8; self.g.slot_size()];
-            for off in std::mem::take(&mut self.stale) {
+            let stale = std::mem::take(&mut self.stale);
+            for &off in &stale {
+                let len = self.slot_ends.prefix_to_write(off, &zeros).len;
                 self.storage
-                    .write_at(&zeros, off)
+                    .write_at(&zeros[..len], off)
                     .map_err(io_err(&path, "zeroing a stale slot"))?;
             }
             self.storage.sync().map_err(io_err(&path, "syncing"))?;
+            for off in stale {
+                self.slot_ends.synced(off, 0);
+            }
         }
         let committed_len = self.g.offset(self.header.cluster_count);
         if self.file_len != committed_len {
@@ -876,6 +890,8 @@ impl Image {
         self.check_cluster_limit(need)?;
         self.ensure_space_as(self.next_cluster + need, space)?;
         if !extend {
+            self.slot_ends
+                .forget_cluster(self.g.offset(self.next_cluster), self.g.slot_size());
             self.segments.push(Segment {
                 meta: self.next_cluster,
                 layer,
@@ -918,6 +934,8 @@ impl Image {
         }
         self.check_cluster_limit(1)?;
         self.ensure_space(self.next_cluster + 1)?;
+        self.slot_ends
+            .forget_cluster(self.g.offset(self.next_cluster), self.g.slot_size());
         self.layers.push(Layer {
             start: self.next_cluster,
             parent: Some(parent),

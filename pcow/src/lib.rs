@@ -33,6 +33,7 @@ mod image;
 pub mod io;
 pub mod ops;
 mod scan;
+mod slot_ends;
 mod snapshot;
 
 pub use chain::{open_base_writable, resolve_base, Backing, RawImage};

@@ -34,11 +34,12 @@ fn read_slot(
 }
 
 /// Reads both header slots and returns the current one (the valid slot with
-/// the higher generation) and its index.
+/// the higher generation), its index, and where each valid slot's non-zero
+/// bytes end.
 pub(crate) fn read_header(
     storage: &dyn Storage,
     file_len: u64,
-) -> std::result::Result<(Header, u8), HeaderError> {
+) -> std::result::Result<(Header, u8, [Option<usize>; 2]), HeaderError> {
     let mut magic = [0u8; 8];
     if file_len < 8 {
         return Err(HeaderError::Format(FormatError::NotPcow));
@@ -110,19 +111,24 @@ pub(crate) fn read_header(
     // A slot whose CRC is right is a real header even when a rule fails
     // (unknown feature, future version): its error must not be hidden by
     // falling back to the older slot.
+    let end = |r: &std::result::Result<Option<(Header, Vec<u8>)>, HeaderError>| match r {
+        Ok(Some((_, buf))) => Some(crate::slot_ends::content_end(buf)),
+        _ => None,
+    };
+    let ends = [end(&a), end(&b)];
     match (a, b) {
         (Ok(Some((ha, _))), Ok(Some((hb, _)))) => {
             if hb.generation > ha.generation {
-                Ok((hb, 1))
+                Ok((hb, 1, ends))
             } else {
-                Ok((ha, 0))
+                Ok((ha, 0, ends))
             }
         }
         (
             Ok(Some((ha, _))),
             Ok(None)
             | Err(HeaderError::Format(FormatError::Crc { .. } | FormatError::HeaderMagic { .. })),
-        ) => Ok((ha, 0)),
+        ) => Ok((ha, 0, ends)),
         (
             Ok(None)
             | Err(HeaderError::Format(
@@ -131,7 +137,7 @@ pub(crate) fn read_header(
                 | FormatError::ClusterBits { .. },
             )),
             Ok(Some((hb, _))),
-        ) => Ok((hb, 1)),
+        ) => Ok((hb, 1, ends)),
         (Err(HeaderError::Io(e)), _) | (_, Err(HeaderError::Io(e))) => Err(HeaderError::Io(e)),
         (Err(HeaderError::Format(e)), _)
             if !matches!(e, FormatError::Crc { .. } | FormatError::HeaderMagic { .. }) =>
@@ -229,6 +235,9 @@ impl Image {
             self.storage
                 .read_at(&mut buf, at)
                 .map_err(crate::image::io_err(&self.path, "reading metadata"))?;
+            for (i, bytes) in buf.chunks_exact(slot_len).enumerate() {
+                self.slot_ends.observed(at + (i * slot_len) as u64, bytes);
+            }
             let chosen = self.choose_slot(&buf, pos, at, gen).map_err(fail)?;
             let slot_at = at + u64::from(chosen.slot) * slot_len as u64;
             let slot = &buf[chosen.slot as usize * slot_len..(chosen.slot as usize + 1) * slot_len];
