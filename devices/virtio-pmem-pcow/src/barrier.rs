@@ -9,6 +9,10 @@
 //! lost between them. The monitor keeps serving faults while the barrier
 //! waits for the hold (the region lock is taken only once writers are
 //! held), so a writer blocked in a fault cannot deadlock the barrier.
+//! The commit (the syncs) needs no hold: once the pages are copied and
+//! their tracking re-armed, a write belongs to the next barrier, so the
+//! guest's FLUSH releases the writers before it; only a fault that needs
+//! the image (a write into a hole) waits for the region lock meanwhile.
 //!
 //! Copy-on-write is per 4 KiB page: a cluster with data below gets only
 //! its written pages copied into the writable layer's cluster (a partial
@@ -197,7 +201,9 @@ pub struct BarrierStats {
     pub copy: Duration,
     /// Time spent in the image's barrier (syncs and metadata commit).
     pub commit: Duration,
-    /// Time spent holding writers.
+    /// Time writers were held: the scan and the copy. A plain barrier
+    /// ([`crate::PcowRegion::barrier`], the guest's FLUSH) releases them
+    /// before its commit; snapshots and overlays hold them throughout.
     pub held: Duration,
 }
 
@@ -446,15 +452,23 @@ impl RegionState {
     /// succeeds moves every page written before it.
     pub(crate) fn barrier_held(&mut self) -> Result<BarrierStats, BarrierError> {
         let mut stats = BarrierStats::default();
+        let moved = self.barrier_move(&mut stats)?;
+        self.barrier_commit(moved, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// The first half of a barrier, which needs writers held: finds the
+    /// pages written since the last barrier, re-arms their write tracking,
+    /// copies them into the writable layer and stages its metadata. After
+    /// it, what the guest writes belongs to the next barrier, so writers
+    /// may run during [`RegionState::barrier_commit`].
+    pub(crate) fn barrier_move(&mut self, stats: &mut BarrierStats) -> Result<Moved, BarrierError> {
         let t = Instant::now();
-        let mut harvest = self.harvest(&mut stats)?;
+        let mut harvest = self.harvest(stats)?;
         merge_harvest(&mut harvest, std::mem::take(&mut self.unsaved));
         stats.scan = t.elapsed();
-        match self.move_and_commit(&harvest, &mut stats) {
-            Ok(()) => {
-                self.out_of_space = None;
-                Ok(stats)
-            }
+        match self.move_pages(&harvest, stats) {
+            Ok(()) => Ok(Moved { harvest }),
             Err(e) => {
                 self.unsaved = harvest;
                 Err(e)
@@ -462,8 +476,35 @@ impl RegionState {
         }
     }
 
-    /// Moves the harvested pages into the writable layer and commits.
-    fn move_and_commit(
+    /// The second half: makes the moved pages durable and commits the
+    /// metadata (the image's barrier: data and slots, sync, header, sync).
+    /// On failure the harvest is kept, and the next barrier copies its
+    /// pages again (with whatever the guest wrote there since).
+    pub(crate) fn barrier_commit(
+        &mut self,
+        moved: Moved,
+        stats: &mut BarrierStats,
+    ) -> Result<(), BarrierError> {
+        let t = Instant::now();
+        // Shared mappings dirty the top file's page cache directly: always
+        // sync data before the metadata commit.
+        self.image.mark_data_written();
+        let r = self.image.flush();
+        stats.commit = t.elapsed();
+        match r {
+            Ok(()) => {
+                self.out_of_space = None;
+                Ok(())
+            }
+            Err(e) => {
+                self.unsaved = moved.harvest;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Moves the harvested pages into the writable layer.
+    fn move_pages(
         &mut self,
         harvest: &Harvest,
         stats: &mut BarrierStats,
@@ -526,12 +567,6 @@ impl RegionState {
             stats.clusters_copied += 1;
         }
         stats.copy = t.elapsed();
-        // Shared mappings dirty the top file's page cache directly: always
-        // sync data before the metadata commit.
-        let t = Instant::now();
-        self.image.mark_data_written();
-        self.image.flush()?;
-        stats.commit = t.elapsed();
         Ok(())
     }
 
@@ -662,6 +697,12 @@ impl RegionState {
         }
         Ok(demoted)
     }
+}
+
+/// A barrier whose pages are moved ([`RegionState::barrier_move`]) but not
+/// yet committed.
+pub(crate) struct Moved {
+    harvest: Harvest,
 }
 
 /// Runs `f` with writers held; measures the hold.

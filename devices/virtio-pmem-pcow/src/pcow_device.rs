@@ -464,21 +464,33 @@ impl PcowRegion {
     }
 
     /// Runs a barrier: holds writers, moves private pages into the image,
-    /// syncs data, commits metadata, releases.
+    /// releases the writers, then syncs data and commits metadata. Only a
+    /// fault that needs the image (a write into a hole) waits for the
+    /// commit; the guest's other writes go on, and belong to the next
+    /// barrier.
     pub fn barrier(&self) -> Result<BarrierStats, BarrierError> {
         // Hold first, lock second: the monitor must be able to serve a
         // writer's fault while the hold waits for that writer.
-        let (mut stats, held) = with_hold(&*self.quiesce, || {
-            let mut g = self.lock()?;
-            let dev = &mut *g;
-            dev.attached()?;
-            dev.pool.apply(&mut dev.region.image);
-            let stats = dev.barrier_quiet();
-            dev.pool.request(&dev.region.image);
-            stats
-        })?;
-        stats.held = held;
-        Ok(stats)
+        let held = crate::barrier::hold(&*self.quiesce);
+        let t = std::time::Instant::now();
+        let mut g = self.lock()?;
+        let dev = &mut *g;
+        dev.attached()?;
+        dev.pool.apply(&mut dev.region.image);
+        let mut stats = BarrierStats::default();
+        let r = {
+            let _quiet = dev.pool.quiet();
+            match dev.region.barrier_move(&mut stats) {
+                Ok(moved) => {
+                    drop(held);
+                    stats.held = t.elapsed();
+                    dev.region.barrier_commit(moved, &mut stats)
+                }
+                Err(e) => Err(e),
+            }
+        };
+        dev.pool.request(&dev.region.image);
+        r.map(|()| stats)
     }
 
     /// Takes a snapshot of the running device: barrier, snapshot cluster,

@@ -658,3 +658,93 @@ fn region_and_monitor_are_send() {
     send::<Monitor>();
     send::<PmemDevice<PcowRegion>>();
 }
+
+/// The committed generation as the file holds it (the higher of the two
+/// header slots that decode), read behind the writer's back.
+fn generation_on_disk(path: &Path, cs: u64) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).unwrap();
+    let slot = cs / 2;
+    let mut buf = vec![0u8; slot as usize];
+    (0..2u64)
+        .filter_map(|i| {
+            f.read_exact_at(&mut buf, i * slot).ok()?;
+            pcow::Header::decode(&buf, i * slot).ok()
+        })
+        .map(|h| h.generation)
+        .max()
+        .expect("a valid header slot")
+}
+
+/// Records, at each release, the generation committed on disk.
+struct CommitAtRelease {
+    gate: Arc<WriteGate>,
+    path: PathBuf,
+    at_release: Mutex<Vec<u64>>,
+}
+
+impl Quiesce for CommitAtRelease {
+    fn hold(&self) {
+        self.gate.hold();
+    }
+    fn release(&self) {
+        let g = generation_on_disk(&self.path, K64);
+        self.at_release.lock().unwrap().push(g);
+        self.gate.release();
+    }
+}
+
+/// A FLUSH lets the guest run again before its commit (the syncs need no
+/// hold: the pages are copied and their tracking re-armed), while a
+/// snapshot holds writers until it is committed and its clusters are
+/// remapped. Writes made while the commit runs are kept and belong to the
+/// next barrier.
+#[test]
+fn a_flush_releases_writers_before_its_commit_a_snapshot_after() {
+    if !uffd_or_skip("a_flush_releases_writers_before_its_commit_a_snapshot_after") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let top = dir.path().join("top.pcow");
+    create(&top, 16 * K64, K64, None).close().unwrap();
+    let gate = Arc::new(WriteGate::new());
+    let q = Arc::new(CommitAtRelease {
+        gate: gate.clone(),
+        path: top.clone(),
+        at_release: Mutex::new(Vec::new()),
+    });
+    let (region, monitor) = PcowRegion::open(&top, q.clone(), &RegionOptions::default()).unwrap();
+    let rig = Rig {
+        region,
+        monitor: MonitorThread::spawn(monitor),
+        gate,
+    };
+    let mut model = vec![0u8; (16 * K64) as usize];
+    let mut put = |rig: &Rig, off: u64, seed: u64| {
+        let d = pattern(seed, 3000);
+        rig.write(off, &d);
+        model[off as usize..off as usize + d.len()].copy_from_slice(&d);
+    };
+    put(&rig, 5000, 1);
+    let g0 = generation_on_disk(&top, K64);
+    let s = rig.region.barrier().unwrap();
+    assert!(s.held <= s.scan + s.copy + s.commit, "{s:?}");
+    let g1 = generation_on_disk(&top, K64);
+    assert_eq!(g1, g0 + 1, "the barrier committed");
+    put(&rig, 3 * K64 + 100, 2);
+    rig.region.snapshot_create("s").unwrap();
+    let g2 = generation_on_disk(&top, K64);
+    assert!(g2 > g1, "the snapshot committed");
+    let at_release = q.at_release.lock().unwrap().clone();
+    assert_eq!(
+        at_release,
+        vec![g0, g2],
+        "the flush released before its commit, the snapshot after"
+    );
+    put(&rig, 9 * K64, 3);
+    rig.region.barrier().unwrap();
+    same(&rig.read(0, model.len()), &model, "region");
+    rig.close();
+    same(&reopen_read(&top), &model, "reopened");
+    check_clean(&top);
+}
