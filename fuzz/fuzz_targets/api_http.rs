@@ -9,11 +9,20 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if let Some(Err(e)) = vmm::api::http::parse_and_route(data) {
-        assert!((400..500).contains(&e.status), "status {} for a bad request", e.status);
+        assert!(
+            (400..500).contains(&e.status),
+            "status {} for a bad request",
+            e.status
+        );
         assert!(!e.chain.is_empty());
     }
     // The body alone against every body-taking route.
-    for action in ["vm.create", "vm.add-pmem", "vm.pmem-snapshot", "vm.pmem-rollback"] {
+    for action in [
+        "vm.create",
+        "vm.add-pmem",
+        "vm.pmem-snapshot",
+        "vm.pmem-rollback",
+    ] {
         let _ = vmm::api::routes::route("PUT", &format!("/api/v1/{action}"), data);
     }
 });

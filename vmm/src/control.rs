@@ -30,6 +30,10 @@ use crate::legacy::power::PowerEvent;
 use crate::machine::Machine;
 use crate::vcpu::VcpuStop;
 
+/// An error and its sources on one line (the wording of every error the
+/// VMM reports).
+pub use pcow::check::error_chain;
+
 /// Why the control loop ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -148,18 +152,6 @@ pub fn stdin_pollable(fd: RawFd) -> bool {
     epoll
         .ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, 0))
         .is_ok()
-}
-
-/// An error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        s.push_str(": ");
-        s.push_str(&x.to_string());
-        src = x.source();
-    }
-    s
 }
 
 fn read_fd(fd: RawFd, buf: &mut [u8]) -> std::io::Result<usize> {

@@ -28,6 +28,7 @@ use crate::uffd::{
     self, UffdioRange, UffdioZeropage, EVENT_PAGEFAULT, MODE_MISSING, MSG_SIZE,
     PAGEFAULT_FLAG_WRITE, UFFDIO_WAKE, UFFDIO_ZEROPAGE,
 };
+use pcow::check::error_chain;
 
 /// Errors of the userfaultfd and of fault resolution.
 #[allow(missing_docs)] // the messages document the variants
@@ -391,18 +392,6 @@ impl Monitor {
     pub fn counters(&self) -> Result<FaultCounters, MonitorError> {
         Ok(self.lock()?.region.faults)
     }
-}
-
-/// An error and its sources, one line.
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s += ": ";
-        s += &c.to_string();
-        src = c.source();
-    }
-    s
 }
 
 /// How a fault was resolved.

@@ -49,9 +49,10 @@ use pcow::{BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, OpenOptions
 use crate::barrier::{hold, with_hold, BarrierError, BarrierStats, Quiesce};
 use crate::device::{FlushBackend, FlushError};
 use crate::fault_poll::{FaultPoll, DEFAULT_FAULT_POLL};
-use crate::monitor::{error_chain, FaultCounters, Monitor};
+use crate::monitor::{FaultCounters, Monitor};
 use crate::pool::{default_pool_bytes, PoolCtl, PoolOptions, PoolStatus};
 use crate::region::{vmas_in, ClusterState, RegionError, RegionOptions, RegionState};
+use pcow::check::error_chain;
 
 /// What the monitor and the device share, behind one lock.
 ///
