@@ -32,6 +32,13 @@
 //! barrier, plus that walk. Without WP-async (kernel before 6.7, or the
 //! pagemap read fallback) every private page is copied again at every
 //! barrier: correct, slower.
+//!
+//! Zero-mapped holes (holes the guest read) are not write-tracked (their
+//! range belongs to the monitor's userfaultfd): every barrier classifies
+//! each of their pages, about 10 ms per GiB here. Past the zero budget
+//! ([`crate::RegionOptions::zero_budget`]) a barrier turns the ones nobody
+//! wrote back into holes (`MADV_DONTNEED` of zero pages, writers held),
+//! so that cost follows the holes read since, not all ever read.
 
 use std::os::fd::RawFd;
 use std::sync::{Condvar, Mutex};
@@ -160,6 +167,13 @@ pub enum BarrierError {
         #[source]
         source: std::io::Error,
     },
+    #[error("returning zero-mapped clusters {vcn}..+{count} to holes")]
+    Rehole {
+        vcn: u64,
+        count: u64,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("region state lock poisoned by a panic")]
     Poisoned,
     #[error(
@@ -190,6 +204,10 @@ pub struct BarrierStats {
     /// Clusters left private because remapping them failed (they are in
     /// the image; the next barrier copies them again).
     pub remap_failures: u64,
+    /// Zero-mapped clusters nobody wrote, turned back into holes because
+    /// they exceeded the zero budget
+    /// ([`crate::RegionOptions::zero_budget`]).
+    pub reholed: u64,
     /// Whether write tracking (WP-async) found the pages.
     pub tracked: bool,
     /// Whether a tracked scan took two walks (many present pages
@@ -468,7 +486,10 @@ impl RegionState {
         merge_harvest(&mut harvest, std::mem::take(&mut self.unsaved));
         stats.scan = t.elapsed();
         match self.move_pages(&harvest, stats) {
-            Ok(()) => Ok(Moved { harvest }),
+            Ok(()) => {
+                self.rehole_zero_clusters(&harvest, stats)?;
+                Ok(Moved { harvest })
+            }
             Err(e) => {
                 self.unsaved = harvest;
                 Err(e)
@@ -501,6 +522,56 @@ impl RegionState {
                 Err(e.into())
             }
         }
+    }
+
+    /// Past the zero budget, turns every zero-mapped cluster with no page
+    /// in `harvest` (no write since it was zero-mapped, as the scan just
+    /// found with writers held) back into a hole: its page tables go, so
+    /// the next scans skip it. Writers must be held.
+    fn rehole_zero_clusters(
+        &mut self,
+        harvest: &Harvest,
+        stats: &mut BarrierStats,
+    ) -> Result<(), BarrierError> {
+        let zero = self
+            .clusters
+            .iter()
+            .filter(|c| **c == ClusterState::Zero)
+            .count() as u64;
+        if zero.saturating_mul(self.cs) <= self.zero_budget {
+            return Ok(());
+        }
+        let written: std::collections::HashSet<u64> = harvest
+            .iter()
+            .chain(self.unsaved.iter())
+            .map(|(vcn, _)| *vcn)
+            .collect();
+        let cs = self.cs;
+        for (a, b) in self.cluster_runs(ClusterState::Zero) {
+            let mut vcn = a;
+            while vcn < b {
+                // Runs of clusters nobody wrote, one madvise each.
+                let start = vcn;
+                while vcn < b && !written.contains(&vcn) {
+                    vcn += 1;
+                }
+                if vcn > start {
+                    self.mapping
+                        .discard(start * cs, (vcn - start) * cs)
+                        .map_err(|source| BarrierError::Rehole {
+                            vcn: start,
+                            count: vcn - start,
+                            source,
+                        })?;
+                    for c in &mut self.clusters[start as usize..vcn as usize] {
+                        *c = ClusterState::Hole;
+                    }
+                    stats.reholed += vcn - start;
+                }
+                vcn += u64::from(vcn < b);
+            }
+        }
+        Ok(())
     }
 
     /// Moves the harvested pages into the writable layer.

@@ -43,5 +43,5 @@ pub use monitor::{FaultCounters, Monitor, MonitorError};
 pub use pcow_device::{OverlayError, OverlayInfo, PcowRegion, Status};
 pub use pool::{PoolOptions, PoolStatus};
 pub use raw::{RawError, RawRegion};
-pub use region::{RegionError, RegionOptions};
+pub use region::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET};
 pub use request::{parse, Request, RequestError, RequestType};

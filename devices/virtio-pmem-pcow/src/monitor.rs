@@ -9,7 +9,8 @@
 //!   access to it faults and waits for us), so the mapping replaced is empty.
 //! - a read fault in a hole gets `UFFDIO_ZEROPAGE` over the whole cluster:
 //!   nothing is allocated. Later writes there land in private anonymous
-//!   pages without a fault; the barrier moves them into the image.
+//!   pages without a fault; the barrier moves them into the image (and,
+//!   past the zero budget, returns the clusters nobody wrote to holes).
 //! - a fault in a cluster already resolved (several threads faulted it, or
 //!   a queued event raced a resolution) only wakes: one allocation per
 //!   cluster however many threads fault it.

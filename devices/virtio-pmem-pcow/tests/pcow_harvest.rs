@@ -630,3 +630,77 @@ fn barrier_cost_follows_the_pages_written() {
         rig.close();
     }
 }
+
+/// Holes the guest only read are zero-mapped, and every barrier's scan
+/// pays for each of their pages; past the zero budget a barrier turns the
+/// ones nobody wrote back into holes. What was written into zero-mapped
+/// holes is moved as before, a re-read of a returned hole faults in zeros
+/// again, and a write there allocates.
+#[test]
+fn zero_mapped_holes_past_the_budget_return_to_holes() {
+    if !uffd_or_skip("zero_mapped_holes_past_the_budget_return_to_holes") {
+        return;
+    }
+    // PAGEMAP_SCAN, and the pagemap read fallback (which cannot tell the
+    // zero page from a written page).
+    for fallback in [false, true] {
+        zero_budget_case(fallback);
+    }
+}
+
+fn zero_budget_case(fallback: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("z.pcow");
+    let clusters = 64u64;
+    create(&path, clusters * K64, K64, None).close().unwrap();
+    let gate = Arc::new(WriteGate::new());
+    let opts = RegionOptions {
+        zero_budget: Some(8 * K64),
+        pagemap_read_fallback: fallback,
+        ..RegionOptions::default()
+    };
+    let (region, monitor) = PcowRegion::open(&path, gate.clone(), &opts).unwrap();
+    let rig = Rig {
+        region,
+        monitor: Some(MonitorThread::spawn(monitor)),
+        gate,
+    };
+    let mut model = vec![0u8; (clusters * K64) as usize];
+    // Read 6 clusters (within the budget): they stay zero-mapped.
+    for vcn in 0..6 {
+        assert_eq!(rig.read(vcn * K64 + 100, 8), vec![0; 8]);
+    }
+    let s = rig.region.barrier().unwrap();
+    assert_eq!(s.reholed, 0);
+    assert_eq!(rig.region.status().unwrap().zero_mapped, 6);
+    // Read all of them (past the budget), then write into 3.
+    for vcn in 0..clusters {
+        assert_eq!(rig.read(vcn * K64 + 4 * PAGE, 8), vec![0; 8]);
+    }
+    for vcn in [3u64, 17, 40] {
+        w(&rig, &mut model, vcn * K64 + 2 * PAGE + 9, vcn, 100);
+    }
+    let st = rig.region.status().unwrap();
+    assert_eq!((st.zero_mapped, st.faults.read_faults), (64, 64));
+    let s = rig.region.barrier().unwrap();
+    assert_eq!(s.reholed, 61, "{s:?}");
+    assert_eq!((s.private_pages, s.clusters_remapped), (3, 3));
+    let st = rig.region.status().unwrap();
+    assert_eq!((st.zero_mapped, st.shared, st.holes), (0, 3, 61));
+    // A returned hole reads zeros through a new fault, and a write into
+    // one allocates.
+    assert_eq!(rig.read(5 * K64, 4096), vec![0; 4096]);
+    w(&rig, &mut model, 50 * K64 + 7, 9, 30);
+    let st = rig.region.status().unwrap();
+    assert_eq!(st.faults.read_faults, 65);
+    assert_eq!(st.faults.write_faults, 1);
+    let s = rig.region.barrier().unwrap();
+    assert_eq!(s.reholed, 0, "one zero-mapped cluster is within the budget");
+    assert_eq!(rig.read(0, model.len()), model);
+    rig.close();
+    let img = Image::open(&path, OpenOptions::read_only()).unwrap();
+    assert_eq!(view(&img), model);
+    assert_eq!(img.allocated_clusters(), 4);
+    drop(img);
+    check_clean(&path);
+}
