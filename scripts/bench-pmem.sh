@@ -13,8 +13,10 @@
 #   3. copy-on-write: first write into a snapshotted page vs a write to an
 #      already private page, and the pause of the live snapshot;
 #   4. the barrier with 0, 1, 100, 10^3, 10^5 pending private pages vs a
-#      bare fdatasync;
-#   5. the barrier on a large sparse base (64 GiB) with 100 pages written;
+#      bare fdatasync; 4b. barriers after the guest read every page of an
+#      image of holes, with and without the zero budget;
+#   5. the barrier on a large sparse base (64 GiB) with 100 pages written,
+#      beside its I/O floor (the same page writes and syncs without pcow);
 #   6. qemu-img bench on qcow2 (allocating, overwrite, overlay) and raw.
 # Then a plot of the results (gnuplot).
 #
@@ -25,7 +27,7 @@
 # /dev/shm), and the bench's own PMEM_BENCH_* knobs (see benches/pmem.rs):
 # PMEM_BENCH_REGION_MIB (1024), PMEM_BENCH_LARGE_GIB (64),
 # PMEM_BENCH_LARGE_READ_GIB (4), PMEM_BENCH_CLUSTERS (KiB, "64,2048"),
-# PMEM_BENCH_SMALL (0 skips sections 1-4).
+# PMEM_BENCH_SMALL (0 skips sections 1-4b).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -24,9 +24,12 @@
 //! 4. the barrier with 0, 1, 100, 10^3 and 10^5 pending private pages
 //!    (a top image over a raw base whose pages the "guest" has all read)
 //!    vs `fdatasync` of the raw file after writing the same pages;
+//!    4b. barriers after the guest read every page of an image of holes,
+//!    with the default zero budget and with none;
 //! 5. the barrier on a large sparse raw base (64 GiB by default) with 100
 //!    pages written since the last barrier, before and after the guest
-//!    read part of the base;
+//!    read part of the base, beside its I/O floor (the same 100 page
+//!    writes into fresh clusters and the two syncs, without pcow);
 //! 6. `qemu-img bench` on qcow2 with the same 4 KiB write workloads
 //!    (allocating, overwrite, overlay copy-on-write) and on raw.
 //!
@@ -36,7 +39,7 @@
 //! `PMEM_BENCH_LARGE_GIB` (default 64, 0 skips), `PMEM_BENCH_LARGE_READ_GIB`
 //! (default 4), `PMEM_BENCH_OUT` (result files, default `pmem-bench` in the
 //! current directory), `PMEM_BENCH_QEMU` (0 skips `qemu-img`),
-//! `PMEM_BENCH_SMALL` (0 skips sections 1-4, the ones on the small region).
+//! `PMEM_BENCH_SMALL` (0 skips sections 1-4b, the ones on the small region).
 //! Nothing here asserts a timing.
 
 use std::collections::BTreeMap;
@@ -1526,10 +1529,84 @@ fn qemu(c: &Case, rep: &mut Report) -> Res<()> {
     Ok(())
 }
 
+/// Barriers after the "guest" read every page of an image of holes: with
+/// the default zero budget (the first barrier returns the clusters to
+/// holes) and with none (every barrier classifies every zero page).
+fn barrier_after_hole_reads(c: &Case, rep: &mut Report) -> Res<()> {
+    let cs = c.cs;
+    println!(
+        "[{}] barriers after reading {} of holes",
+        c.name,
+        size_name(c.size)
+    );
+    let mut cells = Vec::new();
+    let mut read_ms = Vec::new();
+    for budget in [None, Some(u64::MAX)] {
+        let path = c.dir.join("holes.pcow");
+        let img = create_image(&path, cs, Some(c.size), None)?;
+        let opts = RegionOptions {
+            zero_budget: budget,
+            ..RegionOptions::default()
+        };
+        let rig = Rig::from_image(img, &opts, &PoolOptions::default())?;
+        let m = rig.mem();
+        rig.region.barrier()?;
+        let t = Instant::now();
+        let mut x = 0u8;
+        let mut off = 0;
+        while off < c.size {
+            x ^= m.read_byte(off);
+            off += PAGE;
+        }
+        std::hint::black_box(x);
+        read_ms.push(ms(t));
+        let t = Instant::now();
+        let first = rig.region.barrier()?;
+        let first_ms = ms(t);
+        let mut later = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            rig.region.barrier()?;
+            later.push(ms(t));
+        }
+        let later = stats(later);
+        let label = if budget.is_none() {
+            "budget"
+        } else {
+            "no_budget"
+        };
+        rep.tsv("barrier_holes", &c.name, label, &later, "ms");
+        cells.push((first_ms, first.reholed, later));
+        rig.close();
+        let _ = std::fs::remove_file(&path);
+    }
+    let title = "4b. Barriers after the guest read every page of an image of holes (ms)";
+    rep.table(
+        title,
+        "| fs | cluster | holes read | zero budget 256 MiB: first barrier (clusters returned to holes) | its later barriers p50 / max | no budget: first barrier | its later barriers p50 / max | later barriers, no budget / budget (p50) |",
+    );
+    let (b, nb) = (&cells[0], &cells[1]);
+    rep.row(
+        title,
+        &[
+            c.fs.clone(),
+            short_cs(cs),
+            format!("{} in {:.0} ms", size_name(c.size), read_ms[0]),
+            format!("{} ({})", f1(b.0), b.1),
+            format!("**{}** / {}", f1(b.2.p50), f1(b.2.max)),
+            f1(nb.0),
+            format!("{} / {}", f1(nb.2.p50), f1(nb.2.max)),
+            ratio(nb.2.p50, b.2.p50),
+        ],
+    );
+    Ok(())
+}
+
 fn run_case(cfg: &Config, c: &Case, rep: &mut Report) -> Res<()> {
     if cfg.small {
         let raw = expansion_steady_cow(c, rep)?;
         barrier_pending(c, &raw, rep)?;
+        barrier_after_hole_reads(c, rep)?;
         drop(raw);
         let _ = std::fs::remove_file(c.dir.join("raw.img"));
     }
