@@ -268,16 +268,29 @@ pub fn is_out_of_space(e: &(dyn std::error::Error + 'static)) -> bool {
 impl RegionState {
     /// Maximal runs `[first, end)` of clusters in `state`.
     fn cluster_runs(&self, state: ClusterState) -> Vec<(u64, u64)> {
-        let mut runs = Vec::new();
+        let ([runs], _) = self.cluster_runs_of([state]);
+        runs
+    }
+
+    /// Maximal runs of clusters in each of `states`, in one pass over the
+    /// clusters (a million at 64 GiB of 64 KiB clusters: a pass is about a
+    /// millisecond, which a barrier pays), and the clusters in each.
+    fn cluster_runs_of<const N: usize>(
+        &self,
+        states: [ClusterState; N],
+    ) -> ([Vec<(u64, u64)>; N], [u64; N]) {
+        let mut runs: [Vec<(u64, u64)>; N] = std::array::from_fn(|_| Vec::new());
+        let mut counts = [0u64; N];
         let mut i = 0u64;
         for same in self.clusters.chunk_by(|a, b| a == b) {
             let n = same.len() as u64;
-            if same[0] == state {
-                runs.push((i, i + n));
+            if let Some(k) = states.iter().position(|s| *s == same[0]) {
+                runs[k].push((i, i + n));
+                counts[k] += n;
             }
             i += n;
         }
-        runs
+        (runs, counts)
     }
 
     /// Starts write tracking of every private cluster (called once the
@@ -349,7 +362,10 @@ impl RegionState {
         let base = self.mapping.base();
         let cs = self.cs;
         let mut runs = Vec::new();
-        for (a, b) in self.cluster_runs(ClusterState::Private) {
+        let ([private_runs, zero_runs], counts) =
+            self.cluster_runs_of([ClusterState::Private, ClusterState::Zero]);
+        self.zero_counted = Some(counts[1]);
+        for (a, b) in private_runs {
             let (start, end) = (base + a * cs, base + b * cs);
             match self.written_since(start, end, protect, &mut runs) {
                 Err(PagemapError::NotTracked { .. }) => {
@@ -367,7 +383,7 @@ impl RegionState {
                 r => r?,
             }
         }
-        for (a, b) in self.cluster_runs(ClusterState::Zero) {
+        for (a, b) in zero_runs {
             self.scanner
                 .written(base + a * cs, base + b * cs, &mut runs)?;
         }
@@ -414,6 +430,7 @@ impl RegionState {
     fn harvest(&mut self, stats: &mut BarrierStats) -> Result<Harvest, BarrierError> {
         let base = self.mapping.base();
         let cs = self.cs;
+        self.zero_counted = None;
         stats.tracked = self.tracker.is_some();
         let runs = if stats.tracked {
             let before = self.scanner.two_walk_scans();
@@ -537,11 +554,12 @@ impl RegionState {
         harvest: &Harvest,
         stats: &mut BarrierStats,
     ) -> Result<(), BarrierError> {
-        let zero = self
-            .clusters
-            .iter()
-            .filter(|c| **c == ClusterState::Zero)
-            .count() as u64;
+        // Counted by this barrier's scan (an upper bound: the move may
+        // have turned some into shared clusters); counted here otherwise.
+        let zero = match self.zero_counted.take() {
+            Some(n) => n,
+            None => self.cluster_runs_of([ClusterState::Zero]).1[0],
+        };
         if zero.saturating_mul(self.cs) <= self.zero_budget {
             return Ok(());
         }

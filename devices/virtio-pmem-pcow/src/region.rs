@@ -511,6 +511,9 @@ pub(crate) struct RegionState {
     pub(crate) out_of_space: Option<String>,
     /// [`RegionOptions::zero_budget`].
     pub(crate) zero_budget: u64,
+    /// Zero-mapped clusters, as the last scan counted them (taken by the
+    /// barrier that follows it).
+    pub(crate) zero_counted: Option<u64>,
 }
 
 impl Drop for RegionState {
@@ -636,6 +639,7 @@ impl RegionState {
             unsaved: Vec::new(),
             out_of_space: None,
             zero_budget: opts.zero_budget.unwrap_or(DEFAULT_ZERO_BUDGET),
+            zero_counted: None,
         };
         st.start_tracking(!opts.pagemap_read_fallback);
         Ok(st)
