@@ -44,6 +44,8 @@ use std::os::fd::RawFd;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use pcow::ClusterSource;
+
 use crate::pagemap::{PagemapError, ScanMethod, WriteTracker, PAGE_SIZE};
 use crate::region::{ClusterState, RegionState};
 
@@ -505,7 +507,7 @@ impl RegionState {
         match self.move_pages(&harvest, stats) {
             Ok(()) => {
                 // Only a saving: a barrier does not fail for it.
-                if let Err(e) = self.rehole_zero_clusters(&harvest, stats) {
+                if let Err(e) = self.rehole_zero_clusters(stats) {
                     log::warn!("{}", pcow::check::error_chain(&e));
                 }
                 Ok(Moved { harvest })
@@ -544,16 +546,14 @@ impl RegionState {
         }
     }
 
-    /// Past the zero budget, turns every zero-mapped cluster with no page
-    /// in `harvest` (no write since it was zero-mapped, as the scan just
-    /// found with writers held) back into a hole: its page tables go, so
-    /// the next scans skip it. Writers must be held. On an error the
+    /// Past the zero budget, turns every zero-mapped cluster that the image
+    /// holds nothing for back into a hole: its page tables go, so the next
+    /// scans skip it. Writers must be held, and the barrier's pages moved:
+    /// a zero-mapped cluster the guest wrote is then either shared (moved
+    /// and remapped) or in the image (moved, its remap failed), and only
+    /// one whose pages all read as zeros is left to return. On an error the
     /// clusters not yet returned stay zero-mapped, which is correct.
-    fn rehole_zero_clusters(
-        &mut self,
-        harvest: &Harvest,
-        stats: &mut BarrierStats,
-    ) -> Result<(), BarrierError> {
+    fn rehole_zero_clusters(&mut self, stats: &mut BarrierStats) -> Result<(), BarrierError> {
         // Counted by this barrier's scan (an upper bound: the move may
         // have turned some into shared clusters); counted here otherwise.
         let zero = match self.zero_counted.take() {
@@ -563,18 +563,14 @@ impl RegionState {
         if zero.saturating_mul(self.cs) <= self.zero_budget {
             return Ok(());
         }
-        let written: std::collections::HashSet<u64> = harvest
-            .iter()
-            .chain(self.unsaved.iter())
-            .map(|(vcn, _)| *vcn)
-            .collect();
         let cs = self.cs;
         for (a, b) in self.cluster_runs(ClusterState::Zero) {
             let mut vcn = a;
             while vcn < b {
-                // Runs of clusters nobody wrote, one madvise each.
+                // Runs of clusters the image has nothing for, one madvise
+                // each.
                 let start = vcn;
-                while vcn < b && !written.contains(&vcn) {
+                while vcn < b && matches!(self.image.cluster_source(vcn), ClusterSource::Hole) {
                     vcn += 1;
                 }
                 if vcn > start {
