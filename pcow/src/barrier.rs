@@ -16,7 +16,7 @@ impl Image {
     /// Writes the slot `buf` at `at`: only the prefix that can differ from
     /// what the file holds (see [`crate::slot_ends`]).
     /// Returns the content's end for [`crate::slot_ends::SlotEnds::synced`].
-    fn write_slot(&mut self, buf: &[u8], at: u64) -> std::io::Result<usize> {
+    pub(crate) fn write_slot(&mut self, buf: &[u8], at: u64) -> std::io::Result<usize> {
         let p = self.slot_ends.prefix_to_write(at, buf);
         if p.len > 0 {
             self.storage.write_at(&buf[..p.len], at)?;
@@ -58,9 +58,9 @@ impl Image {
         }
         let g = self.g;
         let slot_bytes = g.slot_size() as u64;
+        // Each slot written, its offset and content end (recorded in
+        // `slot_ends` once a sync has made it durable).
         let mut written = Vec::new();
-        // Slots written, to record once a sync has made them durable.
-        let mut slots = Vec::new();
         let mut entries = Vec::new();
         for i in 0..self.segments.len() {
             let seg = &self.segments[i];
@@ -77,8 +77,7 @@ impl Image {
             let end = self
                 .write_slot(&buf, at)
                 .map_err(io_err(&path, "writing a meta cluster"))?;
-            written.push(Written::Segment(i, slot));
-            slots.push((at, end));
+            written.push((Written::Segment(i, slot), at, end));
         }
         for i in 0..self.layers.len() {
             let layer = &self.layers[i];
@@ -103,8 +102,7 @@ impl Image {
             let end = self
                 .write_slot(&buf, at)
                 .map_err(io_err(&path, "writing a snapshot cluster"))?;
-            written.push(Written::Layer(i, slot));
-            slots.push((at, end));
+            written.push((Written::Layer(i, slot), at, end));
         }
         // One sync covers the data and the new slots: until the header
         // names generation `gen` the slots are stale and readers ignore
@@ -116,7 +114,7 @@ impl Image {
                 .map_err(io_err(&path, "syncing data and metadata"))?;
             self.data_dirty = false;
         }
-        for (at, end) in slots {
+        for &(_, at, end) in &written {
             self.slot_ends.synced(at, end);
         }
         let mut h = self.header.clone();
@@ -136,7 +134,7 @@ impl Image {
             .map_err(io_err(&path, "syncing the header"))?;
         self.slot_ends.synced(hat, hend);
         // Committed: the written slots are now the current ones.
-        for w in written {
+        for (w, _, _) in written {
             match w {
                 Written::Segment(i, s) => {
                     self.segments[i].cur_slot = Some(s);

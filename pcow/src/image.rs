@@ -447,9 +447,7 @@ impl Image {
             let zeros = vec![0u8; self.g.slot_size()];
             let stale = std::mem::take(&mut self.stale);
             for &off in &stale {
-                let len = self.slot_ends.prefix_to_write(off, &zeros).len;
-                self.storage
-                    .write_at(&zeros[..len], off)
+                self.write_slot(&zeros, off)
                     .map_err(io_err(&path, "zeroing a stale slot"))?;
             }
             self.storage.sync().map_err(io_err(&path, "syncing"))?;

@@ -472,8 +472,8 @@ impl PcowRegion {
     pub fn barrier(&self) -> Result<BarrierStats, BarrierError> {
         // Hold first, lock second: the monitor must be able to serve a
         // writer's fault while the hold waits for that writer.
-        let held = crate::barrier::hold(&*self.quiesce);
-        let t = std::time::Instant::now();
+        let held = hold(&*self.quiesce);
+        let t = Instant::now();
         let mut g = self.lock()?;
         let dev = &mut *g;
         dev.attached()?;
