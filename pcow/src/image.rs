@@ -486,7 +486,15 @@ impl Image {
         self.meta_dirty = true;
         self.flush()?;
         let end = self.g.offset(self.next_cluster);
-        if self.file_len > end {
+        // The file's own length: a pre-allocation worker's refill that went
+        // stale (the file grew meanwhile) extended it beyond what the image
+        // counts, and is dropped with the pool.
+        let len = self
+            .storage
+            .len()
+            .map_err(io_err(&self.path, "dropping the pool"))?
+            .max(self.file_len);
+        if len > end {
             self.storage
                 .set_len(end)
                 .map_err(io_err(&self.path, "dropping the pool"))?;

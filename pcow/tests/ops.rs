@@ -464,6 +464,36 @@ fn written_clusters_grow_the_file_sparsely_once_the_pool_is_empty() {
     }
 }
 
+/// A worker's refill that went stale (the file grew meanwhile) still
+/// extended the file on its own handle; closing must drop it like the
+/// pool, or the closed image ends in leaked clusters.
+#[test]
+fn closing_drops_a_stale_refill_past_the_file() {
+    use std::os::unix::io::AsRawFd;
+    let d = tempfile::tempdir().unwrap();
+    let (base, p) = (d.path().join("b.raw"), d.path().join("t.pcow"));
+    let cs = 65536u64;
+    std::fs::write(&base, vec![1u8; MIB as usize]).unwrap();
+    let mut img = create(&p, MIB, cs, Some("b.raw"));
+    img.set_pool_clusters(4);
+    let stale = img.pool_shortfall().unwrap();
+    // The barrier takes clusters first and grows the file page by page.
+    for v in 0..2 {
+        img.active_cluster_written(v).unwrap();
+        img.record_pages(v, 0, 1).unwrap();
+    }
+    // Then the worker's fallocate of the range it was asked for lands.
+    let f = img.file().unwrap().try_clone().unwrap();
+    // SAFETY: fallocate reads only its integer arguments; `f` is open.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), 0, stale.0 as i64, stale.1 as i64) };
+    assert_eq!(r, 0);
+    assert!(!img.pool_reserved(stale.0, stale.1), "stale");
+    assert!(std::fs::metadata(&p).unwrap().len() > stale.0 + 2 * cs);
+    img.close().unwrap();
+    drop(f);
+    clean(&p);
+}
+
 #[test]
 fn inline_growth_caps_what_an_empty_pool_reserves() {
     let d = tempfile::tempdir().unwrap();
