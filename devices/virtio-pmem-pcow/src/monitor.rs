@@ -597,20 +597,8 @@ mod tests {
             return;
         };
         let len = 16 * crate::pagemap::PAGE_SIZE;
-        // SAFETY: a fresh anonymous mapping, owned by this test and
-        // unmapped at its end.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        let start = p as u64;
+        let mem = crate::region::Reservation::new(len as usize).unwrap();
+        let start = mem.base();
         u.register_missing(start, len).unwrap();
         // Page 3 of the empty range gets a marker.
         let page = crate::pagemap::PAGE_SIZE;
@@ -648,7 +636,5 @@ mod tests {
         reader.join().unwrap();
         assert_eq!(v, 0);
         assert_eq!(faults, 1, "one fault, resolved at once");
-        // SAFETY: the test's own mapping; nothing uses it any more.
-        unsafe { libc::munmap(p, len as usize) };
     }
 }
