@@ -597,8 +597,20 @@ mod tests {
             return;
         };
         let len = 16 * crate::pagemap::PAGE_SIZE;
-        let mem = crate::region::Reservation::new(len as usize).unwrap();
-        let start = mem.base();
+        // SAFETY: a fresh anonymous mapping, owned by this test and
+        // unmapped at its end.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let start = p as u64;
         u.register_missing(start, len).unwrap();
         // Page 3 of the empty range gets a marker.
         let page = crate::pagemap::PAGE_SIZE;
@@ -636,5 +648,7 @@ mod tests {
         reader.join().unwrap();
         assert_eq!(v, 0);
         assert_eq!(faults, 1, "one fault, resolved at once");
+        // SAFETY: the test's own mapping; nothing uses it any more.
+        unsafe { libc::munmap(p, len as usize) };
     }
 }
