@@ -377,11 +377,6 @@ impl RegionState {
         let ([private_runs, zero_runs], counts) =
             self.cluster_runs_of([ClusterState::Private, ClusterState::Zero]);
         self.zero_counted = Some(counts[1]);
-        // Past the budget, this barrier moves each zero-mapped cluster with
-        // written pages (remapped shared) and returns the others to holes:
-        // protecting their pages would be wasted (a cluster a failure
-        // leaves zero-mapped is only reported again).
-        let protect_zero = protect && counts[1].saturating_mul(cs) <= self.zero_budget;
         for (a, b) in private_runs {
             let (start, end) = (base + a * cs, base + b * cs);
             match self.written_since(start, end, protect, &mut runs) {
@@ -403,7 +398,7 @@ impl RegionState {
         for (a, b) in zero_runs {
             let (start, end) = (base + a * cs, base + b * cs);
             if let Some(zt) = &self.zero_tracker {
-                let protect = if protect_zero { Some(zt) } else { None };
+                let protect = if protect { Some(zt) } else { None };
                 // A zero-mapped cluster is populated whole (the zero page
                 // or the guest's pages), so the protection never reaches
                 // an empty entry, whose marker UFFDIO_ZEROPAGE would

@@ -587,9 +587,7 @@ mod tests {
     #[test]
     fn a_read_fault_on_a_protected_empty_entry_is_resolved() {
         let Ok(u) = Uffd::for_holes(true) else {
-            eprintln!(
-                "SKIPPED a_read_fault_on_a_protected_empty_entry_is_resolved: no userfaultfd"
-            );
+            eprintln!("SKIPPED a_read_fault_on_a_protected_empty_entry_is_resolved: no userfaultfd");
             return;
         };
         let Some(tracker) = u.write_tracker() else {
