@@ -19,7 +19,9 @@
 #   VMMSC-RESULT K PASS|FAIL reason           scenario K's L1-side verdict
 cd /payload || exit 1
 . ./vmm.conf
+# GUEST_VERBOSE=1 (VMMSC_GUEST_VERBOSE): the guest kernel logs its boot.
 KCMD="console=ttyS0 panic=-1 quiet"
+[ "${GUEST_VERBOSE:-0}" = 1 ] && KCMD="console=ttyS0 panic=-1 ignore_loglevel"
 L=/tmp/logs
 
 # ---- the VMM ------------------------------------------------------------------
@@ -44,6 +46,8 @@ vmm_exec() {
             api=*) api=${o#api=} ;;
         esac
     done
+    # VMM_LOG=vv (VMMSC_VMM_LOG): debug lines from every VMM run.
+    [ "${VMM_LOG:-}" = vv ] && verbose=-vv
     pm=$1
     cmd=$2
     set --
@@ -128,34 +132,52 @@ sha() { sha256sum "$1" | cut -d' ' -f1; }
 # alive PID: the process exists and is not a zombie (kill -0 succeeds on a
 # zombie until the shell reaps it).
 alive() { [ -r /proc/$1/stat ] && [ "$(cut -d' ' -f3 /proc/$1/stat)" != Z ]; }
+# stall_dump PID: where each thread of the VMM (PID is the sh that execs it)
+# waits, for a run about to be SIGKILLed: state, wchan, syscall, kernel stack.
+stall_dump() {
+    echo "VMMSC-STALL threads of pid $1:"
+    for t in /proc/$1/task/*; do
+        echo "VMMSC-STALL $(basename $t) $(cat $t/comm 2>/dev/null) state=$(cut -d' ' -f3 $t/stat 2>/dev/null) wchan=$(cat $t/wchan 2>/dev/null) syscall=$(cut -d' ' -f1 $t/syscall 2>/dev/null)"
+        sed 's/^/VMMSC-STALL     /' $t/stack 2>/dev/null | head -n 12
+    done
+}
 # boot_watch NAME PMEM_SPECS EXTRA_CMDLINE OPTS MAX_BOOTS: as boot, but the VMM
 # runs in the background and is SIGKILLed as soon as its serial shows more
 # than MAX_BOOTS guest boots (L2-BOOTED): a guest that reboots forever (its
 # first boot's writes lost) fails at once instead of at the timeout; also
 # when a guest that said GUEST-REBOOTING has not booted again
-# REBOOT_STALL seconds (default 10) later (the reboot hung).
+# REBOOT_STALL seconds (default 45) later (the reboot hung): then where the
+# VMM's threads wait is printed (VMMSC-STALL lines). Prints how long each
+# reboot took (VMMSC-INFO reboot).
 boot_watch() {
     t=$(up)
     sh "$0" __vmm "$2" "$3" "$4" </dev/null >$L/$1.log 2>&1 &
     pid=$!
     to=
     tr_=
+    gaps=
+    first=
     while alive $pid; do
         sleep 0.2
         nb=$(grep -c L2-BOOTED $L/$1.log)
         nr=$(grep -c GUEST-REBOOTING $L/$1.log)
+        [ -n "$first" ] || [ "$nb" -eq 0 ] || first=$(since "$t")
         if [ "$nb" -gt "$5" ]; then
             to=" (SIGKILL: more than $5 guest boots)"
         elif [ "$nr" -ge "$nb" ] && [ "$nr" -gt 0 ]; then
             # A reboot is pending: since when?
             [ -n "$tr_" ] || tr_=$(up)
-            awk -v a="$tr_" -v b="$(up)" -v s="${REBOOT_STALL:-10}" 'BEGIN { exit !(b - a > s) }' \
-                && to=" (SIGKILL: no new guest boot ${REBOOT_STALL:-10} s after GUEST-REBOOTING)"
+            awk -v a="$tr_" -v b="$(up)" -v s="${REBOOT_STALL:-45}" 'BEGIN { exit !(b - a > s) }' \
+                && to=" (SIGKILL: no new guest boot ${REBOOT_STALL:-45} s after GUEST-REBOOTING)"
         else
+            [ -z "$tr_" ] || gaps="$gaps $(since "$tr_")"
             tr_=
         fi
         awk -v a="$t" -v b="$(up)" -v s="$BOOT_TIMEOUT" 'BEGIN { exit !(b - a > s) }' && to=" TIMEOUT"
         if [ -n "$to" ]; then
+            # Not into the log: the VMM, still running, writes there at its
+            # own offset.
+            stall_dump $pid >$L/$1.stall
             kill -9 $pid
             break
         fi
@@ -164,6 +186,8 @@ boot_watch() {
     vrc=$?
     echo "VMMSC-BOOT $1 exit=$vrc time=$(since "$t")s$to"
     tr -d '\r' <$L/$1.log | sed "s/^/  L2[$1]| /"
+    [ ! -f $L/$1.stall ] || cat $L/$1.stall
+    [ -z "$gaps" ] || echo "VMMSC-INFO reboot $1 VMM start -> L2-BOOTED: $first s; GUEST-REBOOTING -> next L2-BOOTED:$gaps s"
 }
 # vmm_logged NAME TEXT: the VMM's -v log has TEXT (always true for the QEMU
 # stand-in, which has no such log).
@@ -364,7 +388,9 @@ sc6() {
 # reboot=t (triple fault): one VMM process, two guest boots.
 sc7_reboot() {
     v=$1
-    n=s7-reboot-$v
+    n=s7-reboot-$v${2:+-$2}
+    # Repeats (S7_REBOOTS) boot fresh copies of the same image.
+    [ -f img/s7$v.pcow ] || cp /tmp/s7$v.pristine img/s7$v.pcow
     img=$(img_in s7$v) || { why="no image"; return 1; }
     kc="l2.scenario=s7reboot l2.tag=$v"
     [ $v = b ] && kc="$kc reboot=t"
@@ -449,13 +475,27 @@ sc7_term() {
 
 sc7() {
     whys=
+    # S7_REBOOTS (VMMSC_S7_REBOOTS, default 1): each reboot variant this
+    # many times (a hunt for rare reboot hangs); stops at a variant's first
+    # failure.
+    reps=${S7_REBOOTS:-1}
+    for v in a b; do cp img/s7$v.pcow /tmp/s7$v.pristine; done
     for part in "reboot a" "reboot b" term; do
         why=
         set -- $part
-        if ! sc7_$1 ${2:-}; then
-            whys="${whys:+$whys; }$why"
-        fi
+        k7=1
+        while :; do
+            rep=
+            [ $k7 -gt 1 ] && rep=$k7
+            if ! sc7_$1 ${2:-} $rep; then
+                whys="${whys:+$whys; }$why"
+                break
+            fi
+            [ $1 = reboot ] && [ $k7 -lt $reps ] || break
+            k7=$((k7 + 1))
+        done
     done
+    [ "$reps" -gt 1 ] && echo "VMMSC-INFO 7 reboot_repeats=$reps"
     why=$whys
     [ -z "$whys" ] || return 1
     note="reboot -f (default method) and reboot=t: 1 VMM run each, 2 guest boots, file seen by boot 2; $tnote"

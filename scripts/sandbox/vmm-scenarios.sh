@@ -60,6 +60,12 @@
 #   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12" (a subset runs only those; 9-12
 #     need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
 #   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
+#   VMMSC_S7_REBOOTS (scenario 7 runs each reboot variant this many times,
+#     default 1)
+#   VMMSC_REBOOT_STALL (s, a guest that said GUEST-REBOOTING and has not
+#     booted again this long after fails, default 45)
+#   VMMSC_GUEST_VERBOSE=1  the guest kernel logs its boot (no `quiet`)
+#   VMMSC_VMM_LOG=vv  debug lines from every VMM run (-vv)
 #   VMMSC_VERBOSE=1  echo the whole serial output (default: markers only; the
 #                    full log is always kept, its path is printed)
 #   VMMSC_BOOT_TIMEOUT (s, per VMM run in L1, default 120)
@@ -194,6 +200,10 @@ S9_FILES=${VMMSC_S9_FILES:-22}
 S10_BYTES=$S10_BYTES
 S12_BYTES=$S12_BYTES
 S11_ITERS=${VMMSC_KILL_ITERS:-10}
+S7_REBOOTS=${VMMSC_S7_REBOOTS:-1}
+REBOOT_STALL=${VMMSC_REBOOT_STALL:-45}
+GUEST_VERBOSE=${VMMSC_GUEST_VERBOSE:-0}
+VMM_LOG=${VMMSC_VMM_LOG:-}
 SCENARIOS="$SCENARIOS"
 EOF
 
