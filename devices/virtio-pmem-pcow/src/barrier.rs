@@ -33,12 +33,20 @@
 //! pagemap read fallback) every private page is copied again at every
 //! barrier: correct, slower.
 //!
-//! Zero-mapped holes (holes the guest read) are not write-tracked (their
-//! range belongs to the monitor's userfaultfd): every barrier classifies
-//! each of their pages, about 10 ms per GiB here. Past the zero budget
-//! ([`crate::RegionOptions::zero_budget`]) a barrier turns the ones nobody
-//! wrote back into holes (`MADV_DONTNEED` of zero pages, writers held),
-//! so that cost follows the holes read since, not all ever read.
+//! Zero-mapped holes (holes the guest read) are tracked the same way, but
+//! through the monitor's userfaultfd, which their range belongs to: it is
+//! opened WP-async too and registers holes in missing and write-protect
+//! mode. Missing faults still reach the monitor; the zero pages it maps
+//! start unprotected, so the first barrier after a read classifies them
+//! once and protects them, and a later write to one is found like a
+//! write to a private cluster. A zero-mapped cluster is populated whole,
+//! so that protection never leaves a marker on an empty entry (which
+//! `UFFDIO_ZEROPAGE` would refuse; the monitor copies zeros there). Without
+//! WP-async every barrier classifies each of their pages, about 10 ms per
+//! GiB here. Past the zero budget ([`crate::RegionOptions::zero_budget`]) a
+//! barrier turns the ones nobody wrote back into holes (`MADV_DONTNEED` of
+//! zero pages, writers held), which bounds their page tables and, without
+//! tracking, that classification.
 
 use std::os::fd::RawFd;
 use std::sync::{Condvar, Mutex};
@@ -318,6 +326,7 @@ impl RegionState {
             }
         }
         self.tracker = Some(tracker);
+        self.zero_tracker = self.uffd.write_tracker();
     }
 
     /// Tracks `[vcn, end)` (just mapped private); on failure gives up
@@ -358,8 +367,9 @@ impl RegionState {
 
     /// With write tracking: the pages of private clusters written since the
     /// last barrier (write-protected again when `protect`: writers must be
-    /// held), then every private page of zero-mapped holes (as addresses,
-    /// per scan sorted).
+    /// held), then those of zero-mapped holes (likewise through the
+    /// monitor's userfaultfd; without it, every private page there), as
+    /// addresses, per scan sorted.
     fn tracked_runs(&mut self, protect: bool) -> Result<Vec<(u64, u64)>, PagemapError> {
         let base = self.mapping.base();
         let cs = self.cs;
@@ -367,6 +377,11 @@ impl RegionState {
         let ([private_runs, zero_runs], counts) =
             self.cluster_runs_of([ClusterState::Private, ClusterState::Zero]);
         self.zero_counted = Some(counts[1]);
+        // Past the budget, this barrier moves each zero-mapped cluster with
+        // written pages (remapped shared) and returns the others to holes:
+        // protecting their pages would be wasted (a cluster a failure
+        // leaves zero-mapped is only reported again).
+        let protect_zero = protect && counts[1].saturating_mul(cs) <= self.zero_budget;
         for (a, b) in private_runs {
             let (start, end) = (base + a * cs, base + b * cs);
             match self.written_since(start, end, protect, &mut runs) {
@@ -386,8 +401,28 @@ impl RegionState {
             }
         }
         for (a, b) in zero_runs {
-            self.scanner
-                .written(base + a * cs, base + b * cs, &mut runs)?;
+            let (start, end) = (base + a * cs, base + b * cs);
+            if let Some(zt) = &self.zero_tracker {
+                let protect = if protect_zero { Some(zt) } else { None };
+                // A zero-mapped cluster is populated whole (the zero page
+                // or the guest's pages), so the protection never reaches
+                // an empty entry, whose marker UFFDIO_ZEROPAGE would
+                // refuse after a re-hole.
+                match self.scanner.written_since(start, end, protect, &mut runs) {
+                    Err(PagemapError::NotTracked { .. }) => {
+                        log::warn!(
+                            "zero-mapped clusters {a}..{b} not write-tracked; \
+                             barriers classify their pages"
+                        );
+                        self.zero_tracker = None;
+                    }
+                    r => {
+                        r?;
+                        continue;
+                    }
+                }
+            }
+            self.scanner.written(start, end, &mut runs)?;
         }
         Ok(runs)
     }

@@ -22,12 +22,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::fault_poll::FaultPoll;
+use crate::pagemap::WriteTracker;
 use crate::pcow_device::DeviceState;
 use crate::pool::EventFd;
 use crate::region::{ClusterState, RegionState};
 use crate::uffd::{
-    self, UffdioRange, UffdioZeropage, EVENT_PAGEFAULT, MODE_MISSING, MSG_SIZE,
-    PAGEFAULT_FLAG_WRITE, UFFDIO_WAKE, UFFDIO_ZEROPAGE,
+    self, UffdioCopy, UffdioRange, UffdioZeropage, COPY_MODE_DONTWAKE, EVENT_PAGEFAULT,
+    FEATURE_WP_ASYNC, FEATURE_WP_UNPOPULATED, MODE_MISSING, MODE_WP, MSG_SIZE,
+    PAGEFAULT_FLAG_WRITE, UFFDIO_COPY, UFFDIO_WAKE, UFFDIO_ZEROPAGE,
 };
 use pcow::check::error_chain;
 
@@ -69,6 +71,10 @@ pub enum MonitorError {
 #[derive(Debug)]
 pub struct Uffd {
     fd: OwnedFd,
+    /// Opened with `UFFD_FEATURE_WP_ASYNC`: holes are registered in
+    /// write-protect mode too, so the barrier tracks writes into the zero
+    /// pages it maps like those of private clusters.
+    wp_async: bool,
 }
 
 /// What `UFFDIO_ZEROPAGE` did.
@@ -80,6 +86,13 @@ pub(crate) enum ZeroOutcome {
     Exists,
 }
 
+/// A page of zeros to copy from: `UFFDIO_COPY` fills an entry that
+/// `UFFDIO_ZEROPAGE` refuses.
+#[repr(C, align(4096))]
+struct ZeroPage([u8; 4096]);
+
+static ZERO_PAGE: ZeroPage = ZeroPage([0; 4096]);
+
 impl Uffd {
     /// Opens a userfaultfd for missing-page faults (see [`uffd::open`]).
     pub fn new() -> Result<Uffd, MonitorError> {
@@ -87,7 +100,43 @@ impl Uffd {
             uffd::OpenError::Create(e) => MonitorError::Create(e),
             uffd::OpenError::Api(e) => MonitorError::Api(e),
         })?;
-        Ok(Uffd { fd })
+        Ok(Uffd {
+            fd,
+            wp_async: false,
+        })
+    }
+
+    /// Opens the region's userfaultfd: missing-page faults, and with
+    /// `track_zero` also WP-async write tracking of the zero pages it maps
+    /// (when the kernel has it, Linux 6.7+; otherwise as [`Uffd::new`]).
+    pub(crate) fn for_holes(track_zero: bool) -> Result<Uffd, MonitorError> {
+        if track_zero {
+            // The kernel adds WP_UNPOPULATED to WP_ASYNC in any case:
+            // write-protecting an empty entry leaves a marker there.
+            match uffd::open(FEATURE_WP_ASYNC | FEATURE_WP_UNPOPULATED) {
+                Ok(fd) => return Ok(Uffd { fd, wp_async: true }),
+                Err(e) => log::info!(
+                    "zero-mapped holes not write-tracked (no UFFD_FEATURE_WP_ASYNC: {e:?}); \
+                     barriers classify their pages"
+                ),
+            }
+        }
+        Uffd::new()
+    }
+
+    /// A handle write-protecting through this userfaultfd (for the
+    /// barrier's scan of zero-mapped holes), when it was opened WP-async.
+    pub(crate) fn write_tracker(&self) -> Option<WriteTracker> {
+        if !self.wp_async {
+            return None;
+        }
+        match self.fd.try_clone() {
+            Ok(fd) => Some(WriteTracker::from_fd(fd)),
+            Err(e) => {
+                log::warn!("zero-mapped holes not write-tracked (dup of the userfaultfd: {e})");
+                None
+            }
+        }
     }
 
     fn ioctl_err(op: &'static str, start: u64, len: u64) -> MonitorError {
@@ -100,9 +149,14 @@ impl Uffd {
     }
 
     /// Registers `[start, start + len)` (anonymous memory) for missing-page
-    /// faults.
+    /// faults, and for write protection when opened WP-async.
     pub(crate) fn register_missing(&self, start: u64, len: u64) -> Result<(), MonitorError> {
-        uffd::register(&self.fd, start, len, MODE_MISSING).map_err(|source| MonitorError::Ioctl {
+        let mode = if self.wp_async {
+            MODE_MISSING | MODE_WP
+        } else {
+            MODE_MISSING
+        };
+        uffd::register(&self.fd, start, len, mode).map_err(|source| MonitorError::Ioctl {
             op: "UFFDIO_REGISTER",
             start,
             len,
@@ -163,12 +217,46 @@ impl Uffd {
             };
             // SAFETY: as in `zeropage`, for one page.
             let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE as _, &mut z) };
-            if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
-                return Err(Self::ioctl_err("UFFDIO_ZEROPAGE", a, page));
+            if r < 0 {
+                if std::io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+                    return Err(Self::ioctl_err("UFFDIO_ZEROPAGE", a, page));
+                }
+                // Present, or an empty entry carrying a uffd-wp marker
+                // (left by write-protecting it), which UFFDIO_ZEROPAGE
+                // refuses but the waiter still faults on: fill that one
+                // by copying zeros, which the kernel allows.
+                self.copy_zeros(a)?;
             }
             a += page;
         }
         self.wake(start, len)
+    }
+
+    /// Fills the page at `at` with zeros if it is missing (`EEXIST`, a
+    /// present page, is fine), without waking.
+    fn copy_zeros(&self, at: u64) -> Result<(), MonitorError> {
+        let page = crate::pagemap::PAGE_SIZE;
+        loop {
+            let mut c = UffdioCopy {
+                dst: at,
+                src: ZERO_PAGE.0.as_ptr() as u64,
+                len: page,
+                mode: COPY_MODE_DONTWAKE,
+                copy: 0,
+            };
+            // SAFETY: `c` is a valid `uffdio_copy` whose source is a static
+            // page of zeros; the kernel fills only a missing page of a
+            // registered range (never replaces a present one).
+            let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_COPY as _, &mut c) };
+            if r == 0 {
+                return Ok(());
+            }
+            match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::EEXIST) => return Ok(()),
+                Some(libc::EAGAIN) => continue,
+                _ => return Err(Self::ioctl_err("UFFDIO_COPY", at, page)),
+            }
+        }
     }
 
     /// [`Uffd::read_msgs`], retried until a message comes or `window` has
@@ -484,5 +572,69 @@ impl RegionState {
         self.mapping
             .map_file(vcn * self.cs, self.cs, fd, ac.file_offset, true)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// An empty entry write-protected through the monitor's userfaultfd
+    /// carries a uffd-wp marker, which `UFFDIO_ZEROPAGE` refuses (`EEXIST`)
+    /// although a reader still faults on it: the monitor must fill it some
+    /// other way, or the reader faults forever.
+    #[test]
+    fn a_read_fault_on_a_protected_empty_entry_is_resolved() {
+        let Ok(u) = Uffd::for_holes(true) else {
+            eprintln!(
+                "SKIPPED a_read_fault_on_a_protected_empty_entry_is_resolved: no userfaultfd"
+            );
+            return;
+        };
+        let Some(tracker) = u.write_tracker() else {
+            eprintln!("SKIPPED a_read_fault_on_a_protected_empty_entry_is_resolved: no WP-async");
+            return;
+        };
+        let len = 16 * crate::pagemap::PAGE_SIZE;
+        let mem = crate::region::Reservation::new(len as usize).unwrap();
+        let start = mem.base();
+        u.register_missing(start, len).unwrap();
+        // Page 3 of the empty range gets a marker.
+        let page = crate::pagemap::PAGE_SIZE;
+        tracker.protect(start + 3 * page, page).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            // SAFETY: reads one byte of the test's mapping; the fault is
+            // resolved by the loop below.
+            let v = unsafe { std::ptr::read_volatile((start + 3 * page + 5) as *const u8) };
+            let _ = tx.send(v);
+        });
+        let mut buf = [0u8; MSG_SIZE * 8];
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut faults = 0;
+        let got = loop {
+            if let Ok(v) = rx.try_recv() {
+                break Some(v);
+            }
+            if Instant::now() > deadline {
+                break None;
+            }
+            if u.read_msgs(&mut buf).unwrap() > 0 {
+                faults += 1;
+                u.zeropage(start, len).unwrap();
+            }
+        };
+        let Some(v) = got else {
+            // The reader is stuck in its fault: resolve it for good so the
+            // thread can end, then fail.
+            let _ = u.copy_zeros(start + 3 * page);
+            let _ = u.wake(start, len);
+            let _ = reader.join();
+            panic!("the reader was not released after {faults} faults");
+        };
+        reader.join().unwrap();
+        assert_eq!(v, 0);
+        assert_eq!(faults, 1, "one fault, resolved at once");
     }
 }

@@ -120,6 +120,15 @@ struct Categories {
     returned: u64,
 }
 
+/// Entries without write protection, and nothing else asked of them: the
+/// kernel's fast path (it reads the PTE, never the page).
+const UNPROTECTED_ONLY: Categories = Categories {
+    inverted: 0,
+    required: PAGE_IS_WRITTEN,
+    any_of: 0,
+    returned: PAGE_IS_WRITTEN,
+};
+
 /// Page-table coverage of one PTE page: 2 MiB on x86-64.
 const TABLE_SPAN: u64 = 2 << 20;
 
@@ -327,13 +336,7 @@ impl PageScanner {
         } else {
             self.two_walk_scans += 1;
             let mut unprotected = Vec::new();
-            let unprotected_only = Categories {
-                inverted: 0,
-                required: PAGE_IS_WRITTEN,
-                any_of: 0,
-                returned: PAGE_IS_WRITTEN,
-            };
-            self.scan_tracked(start, end, unprotected_only, &mut unprotected)?;
+            self.scan_tracked(start, end, UNPROTECTED_ONLY, &mut unprotected)?;
             // Unprotected entries include holes (no page, or no page
             // table), which the classification skips at the cost of a
             // table lookup.
@@ -358,6 +361,20 @@ impl PageScanner {
             self.protected_present = self.protected_present.saturating_add(pages);
         }
         Ok(())
+    }
+
+    /// Page-table entries of `[start, end)` (registered for write tracking)
+    /// not write-protected: the pages written or faulted in since they were
+    /// last protected, and empty entries inside populated page tables. What
+    /// the first walk of a two-walk [`PageScanner::written_since`] reports
+    /// (the kernel's fast path).
+    pub fn unprotected_entries(&self, start: u64, end: u64) -> Result<u64, PagemapError> {
+        if !start.is_multiple_of(PAGE_SIZE) || !end.is_multiple_of(PAGE_SIZE) || end < start {
+            return Err(PagemapError::Unaligned { start, end });
+        }
+        let mut runs = Vec::new();
+        self.scan_tracked(start, end, UNPROTECTED_ONLY, &mut runs)?;
+        Ok(runs.iter().map(|&(a, b, _)| (b - a) / PAGE_SIZE).sum())
     }
 
     /// A scan of a range registered with a [`WriteTracker`]
@@ -526,6 +543,13 @@ impl WriteTracker {
             },
         )?;
         Ok(WriteTracker { fd })
+    }
+
+    /// Write protection through another WP-async userfaultfd (the
+    /// monitor's, whose holes are registered in write-protect mode too);
+    /// ranges are registered through that userfaultfd, not this handle.
+    pub(crate) fn from_fd(fd: std::os::fd::OwnedFd) -> WriteTracker {
+        WriteTracker { fd }
     }
 
     /// Registers `[start, start + len)` (mapped memory: private file

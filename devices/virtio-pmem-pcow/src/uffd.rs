@@ -64,6 +64,22 @@ pub struct UffdioZeropage {
     pub zeropage: i64,
 }
 
+/// `struct uffdio_copy`.
+#[repr(C)]
+#[derive(Default)]
+pub struct UffdioCopy {
+    /// First byte to fill (page aligned, registered).
+    pub dst: u64,
+    /// Source of the bytes.
+    pub src: u64,
+    /// Length in bytes (page aligned).
+    pub len: u64,
+    /// `UFFDIO_COPY_MODE_*` (0: wake the waiters).
+    pub mode: u64,
+    /// Out: bytes copied, or a negative errno.
+    pub copy: i64,
+}
+
 const UFFDIO_API: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
 const UFFDIO_REGISTER: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
 /// `UFFDIO_WAKE` (a [`UffdioRange`]).
@@ -71,6 +87,8 @@ pub const UFFDIO_WAKE: libc::c_ulong = ioc(IOC_READ, 0x02, size_of::<UffdioRange
 /// `UFFDIO_ZEROPAGE` (a [`UffdioZeropage`]).
 pub const UFFDIO_ZEROPAGE: libc::c_ulong =
     ioc(IOC_READ | IOC_WRITE, 0x04, size_of::<UffdioZeropage>());
+/// `UFFDIO_COPY` (a [`UffdioCopy`]).
+pub const UFFDIO_COPY: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x03, size_of::<UffdioCopy>());
 const UFFDIO_WRITEPROTECT: libc::c_ulong =
     ioc(IOC_READ | IOC_WRITE, 0x06, size_of::<UffdioWriteprotect>());
 /// `UFFDIO_WRITEPROTECT_MODE_WP`.
@@ -78,6 +96,8 @@ const WRITEPROTECT_MODE_WP: u64 = 1;
 /// `USERFAULTFD_IOC_NEW` on `/dev/userfaultfd`: `_IO(0xAA, 0x00)`.
 const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
 
+/// `UFFDIO_COPY_MODE_DONTWAKE`.
+pub const COPY_MODE_DONTWAKE: u64 = 1;
 /// `UFFDIO_REGISTER_MODE_MISSING`.
 pub const MODE_MISSING: u64 = 1;
 /// `UFFDIO_REGISTER_MODE_WP`.

@@ -67,6 +67,17 @@ impl Rig {
         drop(self.monitor.take());
         drop(self.region);
     }
+
+    /// Closes, then the image at `path` shows `model` in `allocated`
+    /// clusters and checks clean.
+    fn close_and_expect(self, path: &Path, model: &[u8], allocated: u64) {
+        self.close();
+        let img = Image::open(path, OpenOptions::read_only()).unwrap();
+        assert_eq!(view(&img), model);
+        assert_eq!(img.allocated_clusters(), allocated);
+        drop(img);
+        check_clean(path);
+    }
 }
 
 /// A top image over a pcow base holding data in every cluster.
@@ -697,10 +708,88 @@ fn zero_budget_case(fallback: bool) {
     let s = rig.region.barrier().unwrap();
     assert_eq!(s.reholed, 0, "one zero-mapped cluster is within the budget");
     assert_eq!(rig.read(0, model.len()), model);
-    rig.close();
-    let img = Image::open(&path, OpenOptions::read_only()).unwrap();
-    assert_eq!(view(&img), model);
-    assert_eq!(img.allocated_clusters(), 4);
-    drop(img);
-    check_clean(&path);
+    rig.close_and_expect(&path, &model, 4);
+}
+
+/// Zero-mapped holes are write-tracked through the monitor's userfaultfd:
+/// the first barrier after the reads protects their zero pages, later
+/// barriers see only what was written since, and a write into a protected
+/// zero page is found and saved.
+#[test]
+fn writes_into_zero_pages_a_barrier_protected_are_found() {
+    if !uffd_or_skip("writes_into_zero_pages_a_barrier_protected_are_found") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("zt.pcow");
+    let clusters = 32u64;
+    create(&path, clusters * K64, K64, None).close().unwrap();
+    let gate = Arc::new(WriteGate::new());
+    let (region, monitor) =
+        PcowRegion::open(&path, gate.clone(), &RegionOptions::default()).unwrap();
+    let rig = Rig {
+        region,
+        monitor: Some(MonitorThread::spawn(monitor)),
+        gate,
+    };
+    if !rig.region.barrier().unwrap().tracked {
+        eprintln!("SKIPPED writes_into_zero_pages_a_barrier_protected_are_found: no WP-async");
+        return;
+    }
+    let base = rig.region.host_addr() as u64;
+    let mut scanner = PageScanner::new(false).unwrap();
+    // Private pages of clusters [a, b) not write-protected; the scan fails
+    // on a range the monitor's userfaultfd does not track.
+    let mut unprotected = |a: u64, b: u64| -> u64 {
+        let mut out = Vec::new();
+        scanner
+            .written_since(base + a * K64, base + b * K64, None, &mut out)
+            .expect("zero-mapped holes are registered for write tracking");
+        out.iter().map(|(a, b)| (b - a) / PAGE).sum()
+    };
+    let mut model = vec![0u8; (clusters * K64) as usize];
+    let entries = |a: u64, b: u64| {
+        PageScanner::new(false)
+            .unwrap()
+            .unprotected_entries(base + a * K64, base + b * K64)
+            .unwrap()
+    };
+    for vcn in 0..clusters {
+        assert_eq!(rig.read(vcn * K64 + 300, 4), vec![0; 4]);
+    }
+    assert_eq!(rig.region.status().unwrap().zero_mapped, clusters);
+    // The zero pages the reads mapped are unprotected until a barrier.
+    assert_eq!(entries(0, clusters), clusters * K64 / PAGE);
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.reholed), (0, 0), "{s:?}");
+    assert_eq!(entries(0, clusters), 0, "the barrier protects them");
+    let s = rig.region.barrier().unwrap();
+    assert_eq!(s.private_pages, 0, "{s:?}");
+    // Writes into protected zero pages: private pages, unprotected.
+    for (vcn, page) in [(2u64, 0u64), (9, 7), (9, 8), (31, 15)] {
+        w(
+            &rig,
+            &mut model,
+            vcn * K64 + page * PAGE + 11,
+            vcn + page,
+            50,
+        );
+    }
+    assert_eq!(unprotected(0, clusters), 4);
+    assert_eq!(entries(0, clusters), 4);
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.clusters_remapped), (4, 3), "{s:?}");
+    let st = rig.region.status().unwrap();
+    assert_eq!((st.zero_mapped, st.shared), (clusters - 3, 3));
+    assert_eq!((unprotected(10, 31), entries(10, 31)), (0, 0));
+    // A whole page, then nothing: the next barrier finds only that page,
+    // the one after nothing.
+    w(&rig, &mut model, 20 * K64 + 5 * PAGE, 77, 4096);
+    assert_eq!(unprotected(10, 31), 1);
+    let s = rig.region.barrier().unwrap();
+    assert_eq!((s.private_pages, s.clusters_remapped), (1, 1), "{s:?}");
+    let s = rig.region.barrier().unwrap();
+    assert_eq!(s.private_pages, 0, "{s:?}");
+    assert_eq!(rig.read(0, model.len()), model);
+    rig.close_and_expect(&path, &model, 4);
 }
