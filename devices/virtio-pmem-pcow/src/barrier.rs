@@ -712,8 +712,10 @@ impl RegionState {
             }
             Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => {
                 // Out of mappings (vm.max_map_count): the data is in the
-                // image; the cluster stays as it is and its pages are
-                // found (and copied) again at the next barrier.
+                // image; the cluster stays private, its pages protected
+                // like every page harvested, so the next write there is
+                // found and copied, and the remap tried again
+                // (`a_remap_refused_at_the_vma_limit_leaves_the_data_in_the_image`).
                 if stats.remap_failures == 0 {
                     log::warn!("cluster {vcn}: left unmapped from the image: {e}");
                 }

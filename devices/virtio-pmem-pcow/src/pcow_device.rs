@@ -82,16 +82,18 @@ impl DeviceState {
         self.region.barrier_held()
     }
 
-    /// Fails when the device has no writable image.
-    fn attached(&self) -> Result<(), BarrierError> {
-        match &self.detached {
-            None => Ok(()),
-            Some(why) => Err(BarrierError::Image(pcow::Error::Io {
+    /// Before a barrier: fails when the device has no writable image, then
+    /// gives the image the clusters the pool worker reserved since.
+    fn prepare(&mut self) -> Result<(), BarrierError> {
+        if let Some(why) = &self.detached {
+            return Err(BarrierError::Image(pcow::Error::Io {
                 path: self.region.image.path().to_owned(),
                 op: "the device has no writable image since a failed overlay",
                 source: io::Error::other(why.clone()),
-            })),
+            }));
         }
+        self.pool.apply(&mut self.region.image);
+        Ok(())
     }
 }
 
@@ -476,8 +478,7 @@ impl PcowRegion {
         let t = Instant::now();
         let mut g = self.lock()?;
         let dev = &mut *g;
-        dev.attached()?;
-        dev.pool.apply(&mut dev.region.image);
+        dev.prepare()?;
         let mut stats = BarrierStats::default();
         let r = {
             let _quiet = dev.pool.quiet();
@@ -523,8 +524,7 @@ impl PcowRegion {
         let (r, _) = with_hold(&*self.quiesce, || {
             let mut g = self.lock()?;
             let dev = &mut *g;
-            dev.attached()?;
-            dev.pool.apply(&mut dev.region.image);
+            dev.prepare()?;
             dev.barrier_quiet()?;
             let r = op(&mut dev.region)?;
             dev.pool.request(&dev.region.image);
