@@ -878,3 +878,126 @@ fn compact_reclaims() {
 // In tests/cli_lock.rs: a test that holds an image open in this process
 // would lend its lock to every child the other tests fork (between fork and
 // exec the child holds copies of all descriptors).
+
+// ----- compare -----
+
+/// `pcow-img compare A B`: (exit code, stdout, stderr).
+fn compare(dir: &Path, args: &[&str]) -> (i32, String, String) {
+    let mut all = vec!["compare"];
+    all.extend_from_slice(args);
+    let r = run_in(dir, &all);
+    (r.code, r.stdout, r.stderr)
+}
+
+#[test]
+fn compare_verdicts_and_exit_codes() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "a.pcow", "1M"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 0x11 8k 12k"]);
+    ok(p, &["convert", "-O", "raw", "a.pcow", "a.raw"]);
+    let same = (0, "Images are identical.\n".to_string(), String::new());
+    assert_eq!(compare(p, &["a.pcow", "a.raw"]), same);
+    assert_eq!(
+        compare(p, &["-f", "pcow", "-F", "raw", "a.pcow", "a.raw"]),
+        same
+    );
+    // Read as raw, the pcow file is its metadata: different.
+    assert_eq!(compare(p, &["-f", "raw", "a.pcow", "a.raw"]).0, 1);
+
+    // An overlay shows its base: identical, strict too (the chain's data
+    // counts as allocated). One byte written: the sector holding it.
+    ok(p, &["create", "-b", "a.pcow", "-F", "pcow", "o.pcow"]);
+    assert_eq!(compare(p, &["-s", "a.pcow", "o.pcow"]), same);
+    ok(p, &["io", "o.pcow", "-c", "write -P 0x22 13000 1"]);
+    let mismatch = (
+        1,
+        "Content mismatch at offset 12800!\n".to_string(),
+        String::new(),
+    );
+    assert_eq!(compare(p, &["a.pcow", "o.pcow"]), mismatch);
+    assert_eq!(compare(p, &["o.pcow", "a.raw"]), mismatch);
+    assert_eq!(
+        compare(p, &["-q", "a.pcow", "o.pcow"]),
+        (1, String::new(), String::new())
+    );
+    assert_eq!(
+        compare(p, &["-q", "a.pcow", "a.raw"]),
+        (0, String::new(), String::new())
+    );
+
+    // Sizes: zeros past the shorter end are the same content; strict
+    // mode says the sizes differ.
+    ok(p, &["convert", "-O", "pcow", "a.raw", "big.pcow"]);
+    ok(p, &["resize", "big.pcow", "+1M"]);
+    assert_eq!(
+        compare(p, &["a.pcow", "big.pcow"]),
+        (
+            0,
+            "Warning: Image size mismatch!\nImages are identical.\n".into(),
+            String::new()
+        )
+    );
+    assert_eq!(
+        compare(p, &["-s", "a.pcow", "big.pcow"]),
+        (
+            1,
+            "Strict mode: Image size mismatch!\n".into(),
+            String::new()
+        )
+    );
+    ok(p, &["io", "big.pcow", "-c", "write -P 1 1536k 1"]);
+    assert_eq!(
+        compare(p, &["big.pcow", "a.raw"]),
+        (
+            1,
+            "Warning: Image size mismatch!\nContent mismatch at offset 1572864!\n".into(),
+            String::new()
+        )
+    );
+
+    // Zeros written where the other image has a hole: the same content,
+    // an allocation difference in strict mode.
+    ok(p, &["create", "-c", "4k", "z.pcow", "1M"]);
+    ok(p, &["create", "-c", "4k", "e.pcow", "1M"]);
+    ok(p, &["io", "z.pcow", "-c", "write -P 0 64k 4k"]);
+    assert_eq!(compare(p, &["z.pcow", "e.pcow"]), same);
+    assert_eq!(
+        compare(p, &["-s", "z.pcow", "e.pcow"]),
+        (
+            1,
+            "Strict mode: Offset 65536 block status mismatch!\n".into(),
+            String::new()
+        )
+    );
+}
+
+#[test]
+fn compare_errors_exit_2_and_name_the_file() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "a.pcow", "1M"]);
+    let (code, out, err) = compare(p, &["a.pcow", "missing.pcow"]);
+    assert_eq!((code, out.as_str()), (2, ""), "{err}");
+    assert!(
+        err.starts_with("pcow-img: opening the image: ") && err.contains("missing.pcow"),
+        "{err}"
+    );
+    // Errors are printed with -q too.
+    let (code, _, err) = compare(p, &["-q", "missing.pcow", "a.pcow"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("missing.pcow"), "{err}");
+    // A corrupt header: the open fails.
+    std::fs::write(p.join("bad.pcow"), b"PCOW\0\0\0\0garbage").unwrap();
+    let (code, _, err) = compare(p, &["-f", "pcow", "bad.pcow", "a.pcow"]);
+    assert_eq!(code, 2, "{err}");
+    // An image in use by a writer: refused unless -U.
+    let held = pcow::Image::open(p.join("a.pcow"), pcow::OpenOptions::read_write()).unwrap();
+    let (code, _, err) = compare(p, &["a.pcow", "a.pcow"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("in use"), "{err}");
+    assert_eq!(compare(p, &["-U", "a.pcow", "a.pcow"]).0, 0);
+    drop(held);
+    // Usage errors are 1, as for every command.
+    fails(p, &["compare", "a.pcow"], "required arguments");
+}

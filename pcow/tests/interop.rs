@@ -209,3 +209,77 @@ fn qemu_raw_output_round_trips_through_pcow() {
         "p-64k.pcow is {len} bytes for 1.1 MiB of data"
     );
 }
+
+/// `compare ARGS` by qemu-img and by pcow-img: exit status and stdout.
+fn compare_with(dir: &Path, prog: &str, args: &[&str]) -> (i32, String) {
+    let out = Command::new(prog)
+        .arg("compare")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn compare_answers_as_qemu_img_does() {
+    if !have_qemu() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let m = 1usize << 20;
+    let mut a = vec![0u8; m];
+    a[8192..20480].fill(0x11);
+    a[700_000..709_000].fill(0x33);
+    let write = |name: &str, v: &[u8]| std::fs::write(p.join(name), v).unwrap();
+    write("a.raw", &a);
+    write("same.raw", &a);
+    let mut c = a.clone();
+    c[13_000] ^= 0xff;
+    write("c.raw", &c);
+    let mut big = a.clone();
+    big.resize(2 * m, 0);
+    write("big.raw", &big);
+    big[1_572_900] = 1;
+    write("bigd.raw", &big);
+    // Sparse against zeros written: strict mode too (a raw image is
+    // allocated everywhere).
+    let f = std::fs::File::create(p.join("sparse.raw")).unwrap();
+    f.set_len(m as u64).unwrap();
+    write("zeros.raw", &vec![0u8; m]);
+    // pcow: a base and an overlay with one byte changed, and their raw
+    // conversions for qemu-img.
+    pcow(p, &["convert", "-O", "pcow", "a.raw", "a.pcow"]);
+    pcow(p, &["create", "-b", "a.pcow", "-F", "pcow", "o.pcow"]);
+    pcow(p, &["io", "o.pcow", "-c", "write -P 0x22 700100 1"]);
+    pcow(p, &["convert", "-O", "raw", "o.pcow", "o.raw"]);
+
+    let cases: &[&[&str]] = &[
+        &["a.raw", "same.raw"],
+        &["a.raw", "c.raw"],
+        &["c.raw", "a.raw"],
+        &["a.raw", "big.raw"],
+        &["-s", "a.raw", "big.raw"],
+        &["a.raw", "bigd.raw"],
+        &["bigd.raw", "a.raw"],
+        &["sparse.raw", "zeros.raw"],
+        &["-s", "sparse.raw", "zeros.raw"],
+        &["-q", "a.raw", "c.raw"],
+    ];
+    for args in cases {
+        let mut q = vec!["-f", "raw", "-F", "raw"];
+        q.extend_from_slice(args);
+        let want = compare_with(p, "qemu-img", &q);
+        let got = compare_with(p, PCOW_IMG, &q);
+        assert_eq!(got, want, "compare {args:?}: pcow-img vs qemu-img");
+    }
+    // pcow images against qemu-img on their raw conversions.
+    let want = compare_with(p, "qemu-img", &["-f", "raw", "-F", "raw", "a.raw", "o.raw"]);
+    assert_eq!(want.0, 1, "{want:?}");
+    assert_eq!(compare_with(p, PCOW_IMG, &["a.pcow", "o.pcow"]), want);
+    assert_eq!(compare_with(p, PCOW_IMG, &["a.raw", "o.pcow"]), want);
+}

@@ -170,14 +170,14 @@ impl Source {
         }
     }
 
-    fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         match self {
             Source::Raw(r) => r.path(),
             Source::Pcow(i) => i.path(),
         }
     }
 
-    fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+    pub(crate) fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         match self {
             Source::Raw(r) => r.read_at(buf, offset),
             Source::Pcow(i) => i.read_at(buf, offset),
@@ -186,7 +186,7 @@ impl Source {
 
     /// The ranges that may hold non-zero bytes, sorted, disjoint, within
     /// the size. Everything else reads as zeros.
-    fn data_ranges(&self) -> Result<Vec<(u64, u64)>> {
+    pub(crate) fn data_ranges(&self) -> Result<Vec<(u64, u64)>> {
         let mut out: Vec<(u64, u64)> = Vec::new();
         let mut push = |s: u64, e: u64| match out.last_mut() {
             Some(last) if last.1 == s => last.1 = e,

@@ -1,5 +1,5 @@
 //! Whole-image operations built on [`crate::Image`]: commit, rebase,
-//! compact, resize, convert and measure.
+//! compact, resize, convert, measure and compare.
 
 use std::path::Path;
 
@@ -21,5 +21,6 @@ pub fn resize(path: &Path, new_size: u64) -> Result<()> {
     img.grow(new_size)?;
     img.close()
 }
+pub mod compare;
 pub mod convert;
 pub mod measure;

@@ -1,7 +1,8 @@
-//! `convert` and `measure`: thin wrappers over `pcow::ops`.
+//! `convert`, `compare` and `measure`: thin wrappers over `pcow::ops`.
 
 use anyhow::bail;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use pcow::ops::compare::{CompareOptions, Verdict};
 use pcow::ops::convert::{ConvertOptions, ImageFormat};
 use pcow::ops::measure::{measure_image, measure_size};
 use serde_json::json;
@@ -9,7 +10,7 @@ use serde_json::json;
 use crate::create::cluster_size;
 use crate::output::print_json;
 use crate::size::parse_size;
-use crate::{ConvertArgs, Fmt, MeasureArgs, OutputFormat};
+use crate::{CompareArgs, ConvertArgs, Fmt, MeasureArgs, OutputFormat};
 
 fn progress_bar() -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
@@ -52,6 +53,72 @@ pub fn convert(a: ConvertArgs) -> anyhow::Result<u8> {
         );
     }
     Ok(0)
+}
+
+/// Prints qemu-img compare's lines (unless `-q`); the exit status is 0
+/// identical, 1 different, 2-4 for an error (printed even with `-q`).
+pub fn compare(a: CompareArgs) -> anyhow::Result<u8> {
+    let opts = CompareOptions {
+        formats: [
+            a.first_format.map(Into::into),
+            a.second_format.map(Into::into),
+        ],
+        strict: a.strict,
+        force_share: a.force_share,
+    };
+    let bar = (a.progress && !a.quiet).then(progress_bar);
+    let mut progress = |done: u64, total: u64| {
+        if let Some(b) = &bar {
+            b.set_length(total);
+            b.set_position(done);
+        }
+    };
+    let verdict = pcow::ops::compare::compare(&a.first, &a.second, &opts, &mut progress);
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    let verdict = match verdict {
+        Ok(v) => v,
+        Err(e) => {
+            let code = e.exit_code();
+            eprintln!("pcow-img: {}", crate::output::error_line(&e.into()));
+            return Ok(code);
+        }
+    };
+    let say = |line: String| {
+        if !a.quiet {
+            println!("{line}");
+        }
+    };
+    Ok(match verdict {
+        Verdict::Identical { size_mismatch } => {
+            if size_mismatch {
+                say("Warning: Image size mismatch!".into());
+            }
+            say("Images are identical.".into());
+            0
+        }
+        Verdict::ContentMismatch {
+            offset,
+            size_mismatch,
+        } => {
+            if size_mismatch {
+                say("Warning: Image size mismatch!".into());
+            }
+            say(format!("Content mismatch at offset {offset}!"));
+            1
+        }
+        Verdict::SizeMismatch => {
+            say("Strict mode: Image size mismatch!".into());
+            1
+        }
+        Verdict::AllocationMismatch { offset } => {
+            say(format!(
+                "Strict mode: Offset {offset} block status mismatch!"
+            ));
+            1
+        }
+    })
 }
 
 pub fn measure(a: MeasureArgs) -> anyhow::Result<u8> {

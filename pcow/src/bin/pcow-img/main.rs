@@ -83,6 +83,9 @@ enum Command {
     Map(MapArgs),
     /// Copy an image into a new raw or pcow file, skipping zeros.
     Convert(ConvertArgs),
+    /// Check whether two images show the same content (exit 0 identical,
+    /// 1 different, 2 opening, 3 allocation or 4 read errors).
+    Compare(CompareArgs),
     /// Compute the file size a pcow image needs.
     Measure(MeasureArgs),
     /// Grow an image's virtual size.
@@ -244,6 +247,33 @@ struct ConvertArgs {
 }
 
 #[derive(Debug, Args)]
+struct CompareArgs {
+    /// Format of the first image (probed when absent).
+    #[arg(short = 'f', value_name = "FMT")]
+    first_format: Option<Fmt>,
+    /// Format of the second image (probed when absent).
+    #[arg(short = 'F', value_name = "FMT")]
+    second_format: Option<Fmt>,
+    /// Strict: different sizes, or data allocated in one image where the
+    /// other has none, count as different.
+    #[arg(short = 's')]
+    strict: bool,
+    /// Show a progress bar.
+    #[arg(short = 'p')]
+    progress: bool,
+    /// Print nothing but errors (the exit status answers).
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Open the images without locks (they may be in use).
+    #[arg(short = 'U', long = "force-share")]
+    force_share: bool,
+    /// The first image.
+    first: PathBuf,
+    /// The second image.
+    second: PathBuf,
+}
+
+#[derive(Debug, Args)]
 struct MeasureArgs {
     /// Output format of the image to measure (only pcow).
     #[arg(short = 'O', value_name = "FMT")]
@@ -314,6 +344,7 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
         Command::Rebase(a) => maint::rebase(a),
         Command::Map(a) => info::map(a),
         Command::Convert(a) => convert::convert(a),
+        Command::Compare(a) => convert::compare(a),
         Command::Measure(a) => convert::measure(a),
         Command::Resize(a) => maint::resize(a),
         Command::Compact(a) => maint::compact(a),
