@@ -212,6 +212,117 @@ fn create_errors() {
 }
 
 #[test]
+fn create_with_qemu_img_style_format_and_options() {
+    let d = tmp();
+    let p = d.path();
+    // -f raw: a sparse file of the size.
+    let out = ok(p, &["create", "-f", "raw", "r.img", "1M"]);
+    assert_eq!(out, "Formatting 'r.img', fmt=raw size=1048576\n");
+    let meta = std::fs::metadata(p.join("r.img")).unwrap();
+    assert_eq!((meta.len(), meta.blocks()), (1 << 20, 0));
+    // -f pcow and -o: the same image as the flags make.
+    let out = ok(
+        p,
+        &[
+            "create",
+            "-f",
+            "pcow",
+            "-o",
+            "cluster_size=4k,size=1M",
+            "a.pcow",
+        ],
+    );
+    assert_eq!(
+        out,
+        "Formatting 'a.pcow', fmt=pcow cluster_size=4096 size=1048576\n"
+    );
+    // Several -o, a base with a comma in its name (',,').
+    std::fs::copy(p.join("a.pcow"), p.join("b,1.pcow")).unwrap();
+    let out = ok(
+        p,
+        &[
+            "create",
+            "-o",
+            "backing_file=b,,1.pcow",
+            "-o",
+            "backing_fmt=pcow",
+            "o.pcow",
+        ],
+    );
+    assert!(
+        out.ends_with("size=1048576 backing_file=b,1.pcow backing_fmt=pcow\n"),
+        "{out}"
+    );
+    let v = json(p, &["info", "--output", "json", "o.pcow"]);
+    assert_eq!(v["backing-filename"], "b,1.pcow");
+    // -o help lists the options; no file needed.
+    let out = ok(p, &["create", "-o", "help"]);
+    assert!(
+        out.contains("cluster_size=SIZE") && out.contains("backing_fmt"),
+        "{out}"
+    );
+
+    fails(
+        p,
+        &["create", "-o", "compat=1.1", "x.pcow", "1M"],
+        "unknown option 'compat'",
+    );
+    fails(p, &["create", "-o", "size", "x.pcow"], "expected KEY=VALUE");
+    fails(
+        p,
+        &["create", "-o", "size=1M,size=2M", "x.pcow"],
+        "given twice",
+    );
+    fails(
+        p,
+        &[
+            "create",
+            "-c",
+            "4k",
+            "-o",
+            "cluster_size=4k",
+            "x.pcow",
+            "1M",
+        ],
+        "-c and -o cluster_size",
+    );
+    fails(
+        p,
+        &["create", "-o", "size=1M", "x.pcow", "1M"],
+        "SIZE and -o size",
+    );
+    fails(
+        p,
+        &[
+            "create",
+            "-o",
+            "backing_fmt=qcow2,backing_file=a.pcow",
+            "x.pcow",
+        ],
+        "invalid backing_fmt 'qcow2'",
+    );
+    fails(
+        p,
+        &["create", "-F", "raw", "x.pcow", "1M"],
+        "needs a base image",
+    );
+    fails(
+        p,
+        &["create", "-f", "raw", "-b", "a.pcow", "x.img"],
+        "no base image",
+    );
+    fails(
+        p,
+        &["create", "-f", "raw", "-c", "4k", "x.img", "1M"],
+        "no cluster size",
+    );
+    fails(p, &["create", "-f", "raw", "x.img"], "size is needed");
+    fails(p, &["create", "-f", "qcow2", "x.img", "1M"], "qcow2");
+    fails(p, &["create"], "image to create is missing");
+    assert!(!p.join("x.pcow").exists() && !p.join("x.img").exists());
+}
+
+#[test]
 fn usage_errors_and_help() {
     let d = tmp();
     fails(d.path(), &["frobnicate"], "frobnicate");

@@ -98,6 +98,14 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct CreateArgs {
+    /// Format of the new image: pcow (default), or raw (a sparse file of
+    /// SIZE bytes).
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
+    /// qemu-img style options, KEY=VALUE[,...]: cluster_size, backing_file,
+    /// backing_fmt, size (',,' is a comma in a value; 'help' lists them).
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    options: Vec<String>,
     /// Cluster size (4K to 2M, a power of two; default 64K).
     #[arg(short = 'c', long = "cluster-size", value_name = "CLUSTER")]
     cluster: Option<String>,
@@ -105,15 +113,10 @@ struct CreateArgs {
     #[arg(short = 'b', long = "backing", value_name = "BASE")]
     base: Option<String>,
     /// Format of the base image (probed and recorded when absent).
-    #[arg(
-        short = 'F',
-        long = "backing-format",
-        value_name = "BASE_FMT",
-        requires = "base"
-    )]
+    #[arg(short = 'F', long = "backing-format", value_name = "BASE_FMT")]
     base_format: Option<Fmt>,
-    /// The image to create.
-    file: PathBuf,
+    /// The image to create (required unless -o help).
+    file: Option<PathBuf>,
     /// Virtual size (K/M/G/T suffixes); defaults to the base's size.
     size: Option<String>,
 }
