@@ -23,6 +23,23 @@ fn progress_bar() -> ProgressBar {
     bar
 }
 
+/// Runs `op` with a progress callback that draws a bar on stderr when
+/// `show`, finished when `op` returns.
+fn with_progress<T>(show: bool, op: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) -> T {
+    let bar = show.then(progress_bar);
+    let mut progress = |done: u64, total: u64| {
+        if let Some(b) = &bar {
+            b.set_length(total);
+            b.set_position(done);
+        }
+    };
+    let r = op(&mut progress);
+    if let Some(b) = &bar {
+        b.finish();
+    }
+    r
+}
+
 pub fn convert(a: ConvertArgs) -> anyhow::Result<u8> {
     let cluster = cluster_size(a.cluster.as_deref())?;
     if cluster.is_some() && a.output_format == Fmt::Raw {
@@ -34,18 +51,9 @@ pub fn convert(a: ConvertArgs) -> anyhow::Result<u8> {
         cluster_size: cluster,
         force_share: a.force_share,
     };
-    let bar = a.progress.then(progress_bar);
-    let mut progress = |done: u64, total: u64| {
-        if let Some(b) = &bar {
-            b.set_length(total);
-            b.set_position(done);
-        }
-    };
-    let report = pcow::ops::convert::convert(&a.input, &a.output, &opts, &mut progress);
-    if let Some(b) = &bar {
-        b.finish();
-    }
-    let report = report?;
+    let report = with_progress(a.progress, |progress| {
+        pcow::ops::convert::convert(&a.input, &a.output, &opts, progress)
+    })?;
     if report.rounded() {
         eprintln!(
             "pcow-img: note: virtual size rounded up from {} to {} bytes (a multiple of the cluster size)",
@@ -66,17 +74,9 @@ pub fn compare(a: CompareArgs) -> anyhow::Result<u8> {
         strict: a.strict,
         force_share: a.force_share,
     };
-    let bar = (a.progress && !a.quiet).then(progress_bar);
-    let mut progress = |done: u64, total: u64| {
-        if let Some(b) = &bar {
-            b.set_length(total);
-            b.set_position(done);
-        }
-    };
-    let verdict = pcow::ops::compare::compare(&a.first, &a.second, &opts, &mut progress);
-    if let Some(b) = &bar {
-        b.finish();
-    }
+    let verdict = with_progress(a.progress && !a.quiet, |progress| {
+        pcow::ops::compare::compare(&a.first, &a.second, &opts, progress)
+    });
     let verdict = match verdict {
         Ok(v) => v,
         Err(e) => {
