@@ -1112,3 +1112,23 @@ fn compare_errors_exit_2_and_name_the_file() {
     // Usage errors are 1, as for every command.
     fails(p, &["compare", "a.pcow"], "required arguments");
 }
+
+#[test]
+fn format_flag_on_info_check_and_map() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "a.pcow", "1M"]);
+    ok(p, &["create", "-f", "raw", "r.img", "1M"]);
+    // -f raw shows the pcow file as the bytes it is.
+    let v = json(p, &["info", "-f", "raw", "--output", "json", "a.pcow"]);
+    assert_eq!(v["format"], "raw");
+    assert_eq!(v["virtual-size"], 4096);
+    let v = json(p, &["info", "-f", "pcow", "--output", "json", "a.pcow"]);
+    assert_eq!(v["format"], "pcow");
+    fails(p, &["info", "-f", "pcow", "r.img"], "not a pcow image");
+    ok(p, &["check", "-f", "pcow", "a.pcow"]);
+    fails(p, &["check", "-f", "raw", "a.pcow"], "no metadata to check");
+    ok(p, &["map", "-f", "pcow", "a.pcow"]);
+    fails(p, &["map", "-f", "raw", "a.pcow"], "-f raw has no map");
+    fails(p, &["info", "-f", "qcow2", "a.pcow"], "qcow2");
+}

@@ -4,6 +4,7 @@
 
 use std::fmt::Write as _;
 
+use anyhow::bail;
 use pcow::check::{CheckReport, Finding, Repair};
 use serde_json::{json, Value};
 
@@ -88,6 +89,9 @@ fn human(r: &CheckReport) -> String {
 }
 
 pub fn check(a: CheckArgs) -> anyhow::Result<u8> {
+    if a.format == Some(crate::Fmt::Raw) {
+        bail!("a raw image has no metadata to check (check is for pcow images)");
+    }
     let repair = a.repair.map(|r| match r {
         RepairArg::Leaks => Repair::Leaks,
         RepairArg::All => Repair::All,

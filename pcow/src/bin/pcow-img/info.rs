@@ -5,7 +5,7 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use pcow::ops::convert::ImageFormat;
 use pcow::{Backing, BaseFormat, Image, OpenOptions};
 use serde_json::{json, Map, Value};
@@ -203,7 +203,11 @@ fn open(path: &Path, force_share: bool) -> pcow::Result<Image> {
 
 pub fn info(a: InfoArgs) -> anyhow::Result<u8> {
     let filename = a.file.display().to_string();
-    if ImageFormat::probe(&a.file)? == ImageFormat::Raw {
+    let format = match a.format {
+        Some(f) => f.into(),
+        None => ImageFormat::probe(&a.file)?,
+    };
+    if format == ImageFormat::Raw {
         let v = raw_json(&a.file, None)?;
         match (a.output, a.backing_chain) {
             (OutputFormat::Json, true) => print_json(&Value::Array(vec![v]))?,
@@ -245,6 +249,9 @@ pub fn info(a: InfoArgs) -> anyhow::Result<u8> {
 }
 
 pub fn map(a: MapArgs) -> anyhow::Result<u8> {
+    if a.format == Some(crate::Fmt::Raw) {
+        bail!("map shows where a pcow image's data lives; -f raw has no map");
+    }
     let img = open(&a.file, a.force_share)?;
     let extents = img.extents();
     match a.output {

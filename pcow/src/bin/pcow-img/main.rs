@@ -123,6 +123,9 @@ struct CreateArgs {
 
 #[derive(Debug, Args)]
 struct InfoArgs {
+    /// Format of the image (probed when absent), as qemu-img's -f.
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     output: OutputFormat,
@@ -147,6 +150,9 @@ pub enum RepairArg {
 
 #[derive(Debug, Args)]
 struct CheckArgs {
+    /// Format of the image (probed when absent), as qemu-img's -f.
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
     /// Repair leaks, or everything repairable.
     #[arg(short = 'r', long = "repair", value_enum)]
     repair: Option<RepairArg>,
@@ -216,6 +222,9 @@ struct RebaseArgs {
 
 #[derive(Debug, Args)]
 struct MapArgs {
+    /// Format of the image (probed when absent), as qemu-img's -f.
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     output: OutputFormat,
