@@ -15,6 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pcow::{Image, OpenOptions};
+use virtio_pmem_pcow::region::max_map_count;
 use virtio_pmem_pcow::{
     Monitor, PcowRegion, PmemDevice, Quiesce, RegionError, RegionOptions, WriteGate,
 };
@@ -831,11 +832,7 @@ struct VmaFiller {
 
 impl VmaFiller {
     fn fill() -> VmaFiller {
-        let max: usize = std::fs::read_to_string("/proc/sys/vm/max_map_count")
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let max = max_map_count().unwrap() as usize;
         let pages = 2 * max + 2;
         let len = pages * PAGE as usize;
         // SAFETY: a fresh anonymous reservation; nothing else uses it.
@@ -895,11 +892,7 @@ fn a_remap_refused_at_the_vma_limit_leaves_the_data_in_the_image() {
     if !uffd_or_skip("a_remap_refused_at_the_vma_limit_leaves_the_data_in_the_image") {
         return;
     }
-    let max: u64 = std::fs::read_to_string("/proc/sys/vm/max_map_count")
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let max = max_map_count().unwrap();
     if max > MAX_FILLABLE {
         // Filling would take minutes and gigabytes of page tables.
         eprintln!(
