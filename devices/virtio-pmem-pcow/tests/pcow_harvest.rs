@@ -17,67 +17,19 @@ use pcow::{ClusterSource, Image, OpenOptions, PageLocation};
 use virtio_pmem_pcow::pagemap::PageScanner;
 use virtio_pmem_pcow::{PcowRegion, RegionOptions, WriteGate};
 
-struct Rig {
-    region: PcowRegion,
-    monitor: Option<MonitorThread>,
-    gate: Arc<WriteGate>,
+fn open_rig(path: &Path) -> Rig {
+    Rig::open(path, &RegionOptions::default()).expect("open region")
 }
 
-impl Rig {
-    fn open(path: &Path) -> Rig {
-        let gate = Arc::new(WriteGate::new());
-        let (region, monitor) =
-            PcowRegion::open(path, gate.clone(), &RegionOptions::default()).expect("open region");
-        Rig {
-            region,
-            monitor: Some(MonitorThread::spawn(monitor)),
-            gate,
-        }
-    }
-
-    fn write(&self, off: u64, data: &[u8]) {
-        let _in = self.gate.enter();
-        assert!(off + data.len() as u64 <= self.region.len());
-        // SAFETY: in bounds of the live region, reached through raw
-        // pointers only; one writer at a time here.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                data.as_ptr(),
-                self.region.host_addr().add(off as usize),
-                data.len(),
-            )
-        };
-    }
-
-    fn read(&self, off: u64, n: usize) -> Vec<u8> {
-        assert!(off + n as u64 <= self.region.len());
-        let mut v = vec![0u8; n];
-        // SAFETY: as in `write`; nobody writes these bytes meanwhile.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.region.host_addr().add(off as usize),
-                v.as_mut_ptr(),
-                n,
-            )
-        };
-        v
-    }
-
-    fn close(mut self) {
-        drop(self.monitor.take());
-        drop(self.region);
-    }
-
-    /// Closes, then the image at `path` shows `model` in `allocated`
-    /// clusters and checks clean.
-    fn close_and_expect(self, path: &Path, model: &[u8], allocated: u64) {
-        self.close();
-        let img = Image::open(path, OpenOptions::read_only()).unwrap();
-        assert_eq!(view(&img), model);
-        assert_eq!(img.allocated_clusters(), allocated);
-        drop(img);
-        check_clean(path);
-    }
+/// Closes, then the image at `path` shows `model` in `allocated`
+/// clusters and checks clean.
+fn close_and_expect(rig: Rig, path: &Path, model: &[u8], allocated: u64) {
+    rig.close();
+    let img = Image::open(path, OpenOptions::read_only()).unwrap();
+    assert_eq!(view(&img), model);
+    assert_eq!(img.allocated_clusters(), allocated);
+    drop(img);
+    check_clean(path);
 }
 
 /// A top image over a pcow base holding data in every cluster.
@@ -137,7 +89,7 @@ fn the_bitmap_of_a_copied_cluster_holds_exactly_the_written_pages() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (top, mut model) = over_full_base(dir.path(), 16, K64);
-    let rig = Rig::open(&top);
+    let rig = open_rig(&top);
     // Pages 1, 3 and 4 of cluster 2 (partial pages, one write spanning 3
     // and 4), page 15 of cluster 5 (its last byte).
     let writes: &[(u64, usize)] = &[
@@ -188,7 +140,7 @@ fn pages_written_again_are_persisted_and_unchanged_pages_are_not_copied_again() 
     }
     let dir = tempfile::tempdir().unwrap();
     let (top, mut model) = over_full_base(dir.path(), 16, K64);
-    let rig = Rig::open(&top);
+    let rig = open_rig(&top);
     w(&rig, &mut model, 3 * K64 + 2 * PAGE, 1, 100);
     w(&rig, &mut model, 3 * K64 + 7 * PAGE, 2, 100);
     let s = rig.region.barrier().unwrap();
@@ -238,7 +190,7 @@ fn pages_read_before_a_barrier_and_written_after_it_are_found() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (top, mut model) = over_full_base(dir.path(), 16, K64);
-    let rig = Rig::open(&top);
+    let rig = open_rig(&top);
     let len = model.len();
     // Read every other cluster: file pages in the private mapping.
     for vcn in (0..16).step_by(2) {
@@ -295,7 +247,7 @@ fn after_a_live_snapshot_rewrites_of_private_pages_go_to_the_new_layer() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (top, mut model) = over_full_base(dir.path(), 8, K64);
-    let rig = Rig::open(&top);
+    let rig = open_rig(&top);
     // Every cluster has data below: page 1 of cluster 4 is copied by the
     // snapshot's barrier; after the snapshot it is written again (already
     // private) together with page 2.
@@ -339,7 +291,7 @@ fn two_mib_clusters_copy_only_their_written_pages() {
     img.snapshot_create("s").unwrap();
     img.close().unwrap();
     let mut model = view(&Image::open(&path, OpenOptions::read_only()).unwrap());
-    let rig = Rig::open(&path);
+    let rig = open_rig(&path);
     w(&rig, &mut model, 3, 2, 10); // page 0 of cluster 0 (snapshot data)
     w(&rig, &mut model, M2 - 1, 3, 2); // last page of cluster 0, first of cluster 1
     w(&rig, &mut model, M2 + 300 * PAGE, 4, 8192); // pages 300, 301 of cluster 1
@@ -372,7 +324,7 @@ fn a_cluster_whose_every_page_was_written_is_remapped_shared() {
     const K16: u64 = 16 << 10;
     let dir = tempfile::tempdir().unwrap();
     let (top, mut model) = over_full_base(dir.path(), 8, K16);
-    let rig = Rig::open(&top);
+    let rig = open_rig(&top);
     for (round, pages) in [[0u64, 2], [1, 3]].into_iter().enumerate() {
         for p in pages {
             let off = 5 * K16 + p * PAGE + 9;
@@ -405,7 +357,7 @@ fn a_zero_mapped_hole_still_becomes_a_whole_shared_cluster() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("h.pcow");
     create(&path, 8 * K64, K64, None).close().unwrap();
-    let rig = Rig::open(&path);
+    let rig = open_rig(&path);
     assert_eq!(rig.read(2 * K64, 4), vec![0; 4]); // zero-mapped
     rig.write(2 * K64 + 3 * PAGE, b"zz");
     let s = rig.region.barrier().unwrap();
@@ -436,7 +388,7 @@ fn writes_are_found_across_the_switch_from_one_scan_walk_to_two() {
     // 32 MiB: 16 page tables, so one walk while at most 16 pages are
     // protected.
     let (top, mut model) = over_full_base(dir.path(), 512, K64);
-    let rig = Rig::open(&top);
+    let rig = open_rig(&top);
     let len = model.len();
     let table: u64 = 2 << 20;
     let mut seed = 100;
@@ -558,7 +510,7 @@ fn barrier_cost_follows_the_pages_written() {
         let top = dir.path().join("top.pcow");
         create(&top, size, K64, Some("base.raw")).close().unwrap();
         let t = Instant::now();
-        let rig = Rig::open(&top);
+        let rig = open_rig(&top);
         println!(
             "{gib} GiB region of read-only data, 64 KiB clusters (opened in {:.0} ms):",
             t.elapsed().as_secs_f64() * 1e3
@@ -673,7 +625,7 @@ fn zero_budget_case(fallback: bool) {
     let (region, monitor) = PcowRegion::open(&path, gate.clone(), &opts).unwrap();
     let rig = Rig {
         region,
-        monitor: Some(MonitorThread::spawn(monitor)),
+        monitor: MonitorThread::spawn(monitor),
         gate,
     };
     let mut model = vec![0u8; (clusters * K64) as usize];
@@ -708,7 +660,7 @@ fn zero_budget_case(fallback: bool) {
     let s = rig.region.barrier().unwrap();
     assert_eq!(s.reholed, 0, "one zero-mapped cluster is within the budget");
     assert_eq!(rig.read(0, model.len()), model);
-    rig.close_and_expect(&path, &model, 4);
+    close_and_expect(rig, &path, &model, 4);
 }
 
 /// Zero-mapped holes are write-tracked through the monitor's userfaultfd:
@@ -729,7 +681,7 @@ fn writes_into_zero_pages_a_barrier_protected_are_found() {
         PcowRegion::open(&path, gate.clone(), &RegionOptions::default()).unwrap();
     let rig = Rig {
         region,
-        monitor: Some(MonitorThread::spawn(monitor)),
+        monitor: MonitorThread::spawn(monitor),
         gate,
     };
     if !rig.region.barrier().unwrap().tracked {
@@ -791,5 +743,5 @@ fn writes_into_zero_pages_a_barrier_protected_are_found() {
     let s = rig.region.barrier().unwrap();
     assert_eq!(s.private_pages, 0, "{s:?}");
     assert_eq!(rig.read(0, model.len()), model);
-    rig.close_and_expect(&path, &model, 4);
+    close_and_expect(rig, &path, &model, 4);
 }

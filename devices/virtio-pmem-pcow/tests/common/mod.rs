@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
 use virtio_pmem_pcow::monitor::Uffd;
-use virtio_pmem_pcow::Monitor;
+use virtio_pmem_pcow::{Monitor, PcowRegion, RegionError, RegionOptions, WriteGate};
 
 pub const K64: u64 = 64 << 10;
 pub const PAGE: u64 = 4096;
@@ -180,4 +180,54 @@ pub fn view_forced(path: &Path) -> Vec<u8> {
 pub fn check_clean(path: &Path) {
     let r = pcow::check::check(path, None, false).expect("check");
     assert!(r.is_clean(), "{}: check: {r:?}", path.display());
+}
+
+/// A region, its monitor thread and the gate the "guest" writes through.
+pub struct Rig {
+    pub region: PcowRegion,
+    pub monitor: MonitorThread,
+    pub gate: Arc<WriteGate>,
+}
+
+impl Rig {
+    pub fn open(path: &Path, opts: &RegionOptions) -> Result<Rig, RegionError> {
+        let gate = Arc::new(WriteGate::new());
+        let (region, monitor) = PcowRegion::open(path, gate.clone(), opts)?;
+        Ok(Rig {
+            region,
+            monitor: MonitorThread::spawn(monitor),
+            gate,
+        })
+    }
+
+    pub fn base(&self) -> usize {
+        self.region.host_addr() as usize
+    }
+
+    pub fn write(&self, off: u64, data: &[u8]) {
+        let _in = self.gate.enter();
+        gwrite(self.base(), self.region.len(), off, data);
+    }
+
+    pub fn read(&self, off: u64, len: usize) -> Vec<u8> {
+        gread(self.base(), self.region.len(), off, len)
+    }
+
+    /// Drops the region and the monitor (the image closes).
+    pub fn close(self) {
+        let Rig {
+            region, monitor, ..
+        } = self;
+        let m = monitor.stop();
+        drop(region);
+        drop(m);
+    }
+}
+
+/// The image's whole view, read through the pcow library.
+pub fn reopen_read(path: &Path) -> Vec<u8> {
+    let img = Image::open(path, OpenOptions::read_only()).expect("reopen");
+    let mut v = vec![0u8; img.virtual_size() as usize];
+    img.read_at(&mut v, 0).expect("read");
+    v
 }
