@@ -6,7 +6,7 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use common::{fails, ok, run_in, tmp};
+use common::{fails, ok, run_in, tmp, BIN};
 use serde_json::Value;
 
 fn json(dir: &Path, args: &[&str]) -> Value {
@@ -773,6 +773,281 @@ fn convert_errors() {
         "empty",
     );
     fails(p, &["convert", "-O", "pcow", "r.raw"], "");
+}
+
+/// The view of image `name` in `dir`, through `convert -O raw`.
+fn raw_view(dir: &Path, name: &str) -> Vec<u8> {
+    ok(dir, &["convert", "-O", "raw", name, "view.tmp"]);
+    let v = std::fs::read(dir.join("view.tmp")).unwrap();
+    std::fs::remove_file(dir.join("view.tmp")).unwrap();
+    v
+}
+
+#[test]
+fn convert_snapshots_bases_existing_targets_and_sparse_sizes() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "base.pcow", "1M"]);
+    ok(p, &["io", "-c", "write -P 1 0 512k", "base.pcow"]);
+    ok(p, &["create", "-c", "4k", "-b", "base.pcow", "top.pcow"]);
+    ok(p, &["io", "-c", "write -P 2 64k 4k", "top.pcow"]);
+    ok(p, &["snapshot", "-c", "before", "top.pcow"]);
+    ok(p, &["io", "-c", "write -P 3 128k 4k", "top.pcow"]);
+
+    // -l and -s read a snapshot; without them, the current content.
+    let now = raw_view(p, "top.pcow");
+    assert_eq!((now[64 << 10], now[128 << 10]), (2, 3));
+    for args in [
+        &["-l", "snapshot.name=before"][..],
+        &["-l", "snapshot.id=1"],
+        &["-l", "before"],
+        &["-s", "1"],
+    ] {
+        let mut a = vec!["convert", "-O", "raw"];
+        a.extend_from_slice(args);
+        a.extend(["top.pcow", "snap.raw"]);
+        ok(p, &a);
+        let snap = std::fs::read(p.join("snap.raw")).unwrap();
+        assert_eq!((snap[64 << 10], snap[128 << 10]), (2, 1), "{args:?}");
+    }
+    fails(
+        p,
+        &[
+            "convert",
+            "-O",
+            "raw",
+            "-l",
+            "snapshot.name=nope",
+            "top.pcow",
+            "x.raw",
+        ],
+        "snapshot.name=nope",
+    );
+    fails(
+        p,
+        &[
+            "convert", "-O", "raw", "-l", "1", "-s", "1", "top.pcow", "x.raw",
+        ],
+        "-l and -s",
+    );
+    fails(
+        p,
+        &[
+            "convert",
+            "-O",
+            "raw",
+            "-l",
+            "snapshot.id=one",
+            "top.pcow",
+            "x.raw",
+        ],
+        "snapshot.id 'one'",
+    );
+    fails(
+        p,
+        &["convert", "-O", "raw", "-s", "1", "snap.raw", "x.raw"],
+        "a raw image has no snapshots",
+    );
+
+    // -B: an overlay of base.pcow holding only what differs from it.
+    ok(
+        p,
+        &[
+            "convert",
+            "-O",
+            "pcow",
+            "-B",
+            "base.pcow",
+            "top.pcow",
+            "flat.pcow",
+        ],
+    );
+    let v = json(p, &["info", "--output", "json", "flat.pcow"]);
+    assert_eq!(v["backing-filename"], "base.pcow", "{v}");
+    assert_eq!(raw_view(p, "flat.pcow"), now);
+    let own: Vec<Value> =
+        serde_json::from_str::<Value>(&ok(p, &["map", "--output", "json", "flat.pcow"]))
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["depth"] == 0 && e["data"] == true)
+            .cloned()
+            .collect();
+    assert_eq!(own.len(), 2, "{own:?}");
+    // The same through -o, from the raw view.
+    ok(p, &["convert", "-O", "raw", "top.pcow", "now.raw"]);
+    ok(
+        p,
+        &[
+            "convert",
+            "-O",
+            "pcow",
+            "-o",
+            "backing_file=base.pcow,backing_fmt=pcow,cluster_size=4k",
+            "now.raw",
+            "flat2.pcow",
+        ],
+    );
+    assert_eq!(raw_view(p, "flat2.pcow"), now);
+    fails(
+        p,
+        &[
+            "convert",
+            "-O",
+            "raw",
+            "-B",
+            "base.pcow",
+            "top.pcow",
+            "x.raw",
+        ],
+        "a raw output has no base",
+    );
+    fails(
+        p,
+        &[
+            "convert", "-O", "pcow", "-o", "size=1M", "top.pcow", "x.pcow",
+        ],
+        "unknown option 'size'",
+    );
+    fails(
+        p,
+        &[
+            "convert",
+            "-O",
+            "pcow",
+            "-B",
+            "a",
+            "-o",
+            "backing_file=b",
+            "top.pcow",
+            "x.pcow",
+        ],
+        "-B and -o backing_file",
+    );
+    let help = ok(p, &["convert", "-O", "pcow", "-o", "help"]);
+    assert!(
+        help.contains("backing_file=FILE") && !help.contains("\n  size="),
+        "{help}"
+    );
+
+    // -n: into an existing, larger target; its tail is kept.
+    pattern_file(&p.join("t.raw"), 2 << 20, &[(0, 2 << 20, 0x77)]);
+    ok(p, &["convert", "-n", "-O", "raw", "top.pcow", "t.raw"]);
+    let t = std::fs::read(p.join("t.raw")).unwrap();
+    assert_eq!(&t[..1 << 20], &now[..]);
+    assert!(t[1 << 20..].iter().all(|&b| b == 0x77));
+    fails(
+        p,
+        &["convert", "-n", "-O", "raw", "t.raw", "now.raw"],
+        "smaller than the input",
+    );
+    fails(
+        p,
+        &["convert", "-n", "-O", "raw", "now.raw", "flat.pcow"],
+        "would overwrite its metadata",
+    );
+    fails(
+        p,
+        &[
+            "convert",
+            "-n",
+            "-O",
+            "pcow",
+            "-B",
+            "base.pcow",
+            "now.raw",
+            "flat.pcow",
+        ],
+        "keeps its own base",
+    );
+    fails(
+        p,
+        &[
+            "convert",
+            "--target-is-zero",
+            "-O",
+            "raw",
+            "now.raw",
+            "x.raw",
+        ],
+        "--target-is-zero",
+    );
+    // Into an existing pcow image: a snapshot's content back into it.
+    ok(
+        p,
+        &[
+            "convert",
+            "-n",
+            "-O",
+            "pcow",
+            "-U",
+            "-s",
+            "before",
+            "top.pcow",
+            "flat.pcow",
+        ],
+    );
+    let snap = raw_view(p, "flat.pcow");
+    assert_eq!((snap[64 << 10], snap[128 << 10]), (2, 1));
+
+    // -S 0 allocates every cluster; a bad size names the rule.
+    ok(
+        p,
+        &[
+            "convert",
+            "-O",
+            "pcow",
+            "-c",
+            "4k",
+            "-S",
+            "0",
+            "now.raw",
+            "full.pcow",
+        ],
+    );
+    let v = json(p, &["info", "--output", "json", "full.pcow"]);
+    assert_eq!(v["allocated-clusters"], 256, "{v}");
+    fails(
+        p,
+        &["convert", "-O", "raw", "-S", "1000", "now.raw", "x.raw"],
+        "multiples of 4096",
+    );
+    assert!(!p.join("x.raw").exists() && !p.join("x.pcow").exists());
+}
+
+#[test]
+fn a_closed_stdout_ends_pcow_img_without_a_panic() {
+    let d = tmp();
+    let p = d.path();
+    // 2000 extents: far more map output than a pipe holds.
+    ok(p, &["create", "-c", "4k", "a.pcow", "16M"]);
+    let writes: Vec<String> = (0..1000)
+        .map(|i| format!("write -P 1 {}k 4k", i * 8))
+        .collect();
+    let mut args = vec!["io"];
+    for w in &writes {
+        args.extend(["-c", w.as_str()]);
+    }
+    args.push("a.pcow");
+    ok(p, &args);
+    let mut child = std::process::Command::new(BIN)
+        .args(["map", "a.pcow"])
+        .current_dir(p)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read one byte, then hang up.
+    let mut out = child.stdout.take().unwrap();
+    let mut b = [0u8; 1];
+    std::io::Read::read_exact(&mut out, &mut b).unwrap();
+    drop(out);
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(o.status.signal(), Some(libc::SIGPIPE), "{:?}", o.status);
 }
 
 #[test]

@@ -283,3 +283,108 @@ fn compare_answers_as_qemu_img_does() {
     assert_eq!(compare_with(p, PCOW_IMG, &["a.pcow", "o.pcow"]), want);
     assert_eq!(compare_with(p, PCOW_IMG, &["a.raw", "o.pcow"]), want);
 }
+
+/// The data ranges of a file (`SEEK_DATA`/`SEEK_HOLE`), as qemu-img's map
+/// of a raw file sees them.
+fn data_ranges(path: &Path) -> Vec<(u64, u64)> {
+    use std::io::{Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len();
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < len {
+        // SEEK_DATA = 3, SEEK_HOLE = 4 (std has no names for them).
+        let fd = std::os::unix::io::AsRawFd::as_raw_fd(&f);
+        // SAFETY: lseek on an fd owned by `f`, which is open.
+        let s = unsafe { libc::lseek(fd, off as i64, libc::SEEK_DATA) };
+        if s < 0 {
+            break;
+        }
+        // SAFETY: as above.
+        let e = unsafe { libc::lseek(fd, s, libc::SEEK_HOLE) };
+        out.push((s as u64, e as u64));
+        off = e as u64;
+    }
+    f.seek(SeekFrom::Start(0)).unwrap();
+    out
+}
+
+/// `ranges` without the first block.
+fn holes_at_start(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    if let Some(first) = ranges.first_mut() {
+        if first.0 == 0 {
+            first.0 = 4096;
+            if first.0 >= first.1 {
+                ranges.remove(0);
+            }
+        }
+    }
+    ranges
+}
+
+/// `convert` into raw outputs, new (sparse, `-S 0`) and existing (`-n`,
+/// `--target-is-zero`), gives the same bytes and the same holes as
+/// qemu-img's.
+#[test]
+fn convert_to_raw_outputs_as_qemu_img_does() {
+    if !have_qemu() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let m = 1usize << 20;
+    let mut src = vec![0u8; 2 * m];
+    src[8192..20480].fill(0x11);
+    src[700_000..709_000].fill(0x33);
+    src[m + 5] = 0x44;
+    std::fs::write(p.join("src.raw"), &src).unwrap();
+    // Targets for -n: 3 MiB of 0x77, and a sparse one.
+    let full_target = vec![0x77u8; 3 * m];
+    type Case<'a> = (&'a [&'a str], Option<&'a [u8]>);
+    let cases: &[Case] = &[
+        (&[], None),
+        (&["-S", "0"], None),
+        (&["-n"], Some(&full_target)),
+        (&["-n", "--target-is-zero"], Some(&[])),
+    ];
+    for (args, target) in cases {
+        let mut outs = Vec::new();
+        for tool in ["qemu-img", PCOW_IMG] {
+            let out = p.join(if tool == PCOW_IMG {
+                "pcow.out"
+            } else {
+                "qemu.out"
+            });
+            let _ = std::fs::remove_file(&out);
+            if let Some(t) = target {
+                std::fs::write(&out, t).unwrap();
+                if t.is_empty() {
+                    std::fs::File::options()
+                        .write(true)
+                        .open(&out)
+                        .unwrap()
+                        .set_len(3 * m as u64)
+                        .unwrap();
+                }
+            }
+            let mut a = vec!["convert", "-f", "raw", "-O", "raw"];
+            a.extend_from_slice(args);
+            a.extend(["src.raw", out.to_str().unwrap()]);
+            run(p, tool, &a);
+            let mut ranges = data_ranges(&out);
+            if target.is_none() {
+                // qemu-img allocates the first block of every file it
+                // creates (file-posix's allocate_first_block, so that
+                // alignment probing works), data or not: the first block
+                // (zeros in src) is left out of both maps.
+                ranges = holes_at_start(ranges);
+            }
+            outs.push((std::fs::read(&out).unwrap(), ranges));
+        }
+        assert!(outs[0].0 == outs[1].0, "convert {args:?}: the bytes differ");
+        assert_eq!(
+            outs[1].1, outs[0].1,
+            "convert {args:?}: data ranges (pcow-img, qemu-img)"
+        );
+    }
+}

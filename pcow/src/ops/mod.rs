@@ -24,3 +24,4 @@ pub fn resize(path: &Path, new_size: u64) -> Result<()> {
 pub mod compare;
 pub mod convert;
 pub mod measure;
+mod source;

@@ -3,11 +3,12 @@
 use anyhow::bail;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use pcow::ops::compare::{CompareOptions, Verdict};
-use pcow::ops::convert::{ConvertOptions, ImageFormat};
+use pcow::ops::convert::{ConvertOptions, ImageFormat, SnapshotSel, DEFAULT_SPARSE_SIZE};
 use pcow::ops::measure::{measure_image, measure_size};
+use pcow::BaseRef;
 use serde_json::json;
 
-use crate::create::cluster_size;
+use crate::create::{base_choice, base_format, cluster_size, one_of, option_help, parse_options};
 use crate::output::print_json;
 use crate::size::parse_size;
 use crate::{CompareArgs, ConvertArgs, Fmt, MeasureArgs, OutputFormat};
@@ -40,21 +41,54 @@ fn with_progress<T>(show: bool, op: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) 
     r
 }
 
+/// The `-o` keys `convert` takes.
+const CONVERT_KEYS: [&str; 3] = ["backing_file", "backing_fmt", "cluster_size"];
+
 pub fn convert(a: ConvertArgs) -> anyhow::Result<u8> {
-    let cluster = cluster_size(a.cluster.as_deref())?;
+    let Some(mut o) = parse_options(&a.options, &CONVERT_KEYS)? else {
+        println!("{}", option_help(&CONVERT_KEYS));
+        return Ok(0);
+    };
+    let (Some(input), Some(output)) = (&a.input, &a.output) else {
+        bail!(
+            "the input and the output are needed (pcow-img convert [OPTIONS] -O FMT INPUT OUTPUT)"
+        );
+    };
+    let cluster = one_of(a.cluster, "-c", o.cluster_size.take(), "cluster_size")?;
+    let cluster = cluster_size(cluster.as_deref())?;
     if cluster.is_some() && a.output_format == Fmt::Raw {
         bail!("-c (cluster size) only applies to -O pcow");
     }
+    let (base, base_fmt) = base_choice(a.base, "-B", a.base_format, &mut o)?;
+    let snapshot = match (a.load_snapshot, a.snapshot) {
+        (Some(_), Some(_)) => bail!("-l and -s both name a snapshot: use one"),
+        (Some(l), None) => Some(SnapshotSel::parse_load(&l)?),
+        (None, Some(s)) if s.is_empty() => bail!("-s needs a snapshot id or name"),
+        (None, Some(s)) => Some(SnapshotSel::IdOrTag(s)),
+        (None, None) => None,
+    };
+    let sparse_size = match &a.sparse_size {
+        Some(s) => parse_size(s)?,
+        None => DEFAULT_SPARSE_SIZE,
+    };
     let opts = ConvertOptions {
         input_format: a.input_format.map(Into::into),
-        output_format: a.output_format.into(),
         cluster_size: cluster,
         force_share: a.force_share,
+        snapshot,
+        base: base.map(|name| BaseRef {
+            format: base_format(output, &name, base_fmt),
+            name,
+        }),
+        existing_target: a.existing_target,
+        target_is_zero: a.target_is_zero,
+        sparse_size,
+        ..ConvertOptions::new(a.output_format.into())
     };
     let report = with_progress(a.progress, |progress| {
-        pcow::ops::convert::convert(&a.input, &a.output, &opts, progress)
+        pcow::ops::convert::convert(input, output, &opts, progress)
     })?;
-    if report.rounded() {
+    if report.rounded() && !a.existing_target && !a.quiet {
         eprintln!(
             "pcow-img: note: virtual size rounded up from {} to {} bytes (a multiple of the cluster size)",
             report.input_size, report.output_size

@@ -36,20 +36,47 @@ pub fn base_format(image: &Path, name: &str, given: Option<crate::Fmt>) -> BaseF
     }
 }
 
-/// What `-o` may set, as qemu-img names it.
-const OPTION_HELP: &str = "Supported options:
-  backing_file=FILE   base image (the same as -b)
-  backing_fmt=FMT     format of the base image: raw or pcow (the same as -F)
-  cluster_size=SIZE   cluster size, a power of two from 4K to 2M (the same as -c)
-  size=SIZE           virtual size (the same as the SIZE argument)";
+/// What `-o` may set, as qemu-img names it, with the flag each one
+/// stands for.
+const OPTIONS: [(&str, &str, &str); 4] = [
+    (
+        "backing_file",
+        "FILE",
+        "base image (the same as -b; convert: -B)",
+    ),
+    (
+        "backing_fmt",
+        "FMT",
+        "format of the base image: raw or pcow (the same as -F)",
+    ),
+    (
+        "cluster_size",
+        "SIZE",
+        "cluster size, a power of two from 4K to 2M (the same as -c)",
+    ),
+    (
+        "size",
+        "SIZE",
+        "virtual size (the same as the SIZE argument)",
+    ),
+];
+
+/// `-o help` for a command that takes the options named in `known`.
+pub fn option_help(known: &[&str]) -> String {
+    let mut s = String::from("Supported options:");
+    for (key, value, what) in OPTIONS.iter().filter(|o| known.contains(&o.0)) {
+        s += &format!("\n  {:<19} {what}", format!("{key}={value}"));
+    }
+    s
+}
 
 /// `-o` options after parsing: each one set at most once.
 #[derive(Debug, Default, PartialEq, Eq)]
-struct CreateOpts {
-    backing_file: Option<String>,
-    backing_fmt: Option<String>,
-    cluster_size: Option<String>,
-    size: Option<String>,
+pub struct CreateOpts {
+    pub backing_file: Option<String>,
+    pub backing_fmt: Option<String>,
+    pub cluster_size: Option<String>,
+    pub size: Option<String>,
 }
 
 /// Splits one `-o` value at commas (`,,` is a comma inside a value) into
@@ -78,8 +105,9 @@ fn split_options(arg: &str) -> anyhow::Result<Vec<(String, String)>> {
         .collect()
 }
 
-/// Parses every `-o` given; `Ok(None)` when one of them asks for help.
-fn parse_options(args: &[String]) -> anyhow::Result<Option<CreateOpts>> {
+/// Parses every `-o` given, each key one of `known`; `Ok(None)` when one
+/// of them asks for help.
+pub fn parse_options(args: &[String], known: &[&str]) -> anyhow::Result<Option<CreateOpts>> {
     let mut o = CreateOpts::default();
     for arg in args {
         if arg == "help" || arg == "?" {
@@ -87,14 +115,18 @@ fn parse_options(args: &[String]) -> anyhow::Result<Option<CreateOpts>> {
         }
         for (k, v) in split_options(arg)? {
             let slot = match k.as_str() {
-                "backing_file" => &mut o.backing_file,
-                "backing_fmt" => &mut o.backing_fmt,
-                "cluster_size" => &mut o.cluster_size,
-                "size" => &mut o.size,
-                _ => bail!(
-                    "unknown option '{k}' (known: backing_file, backing_fmt, cluster_size, size; \
-                     -o help lists them)"
-                ),
+                "backing_file" => Some(&mut o.backing_file),
+                "backing_fmt" => Some(&mut o.backing_fmt),
+                "cluster_size" => Some(&mut o.cluster_size),
+                "size" => Some(&mut o.size),
+                _ => None,
+            }
+            .filter(|_| known.contains(&k.as_str()));
+            let Some(slot) = slot else {
+                bail!(
+                    "unknown option '{k}' (known: {}; -o help lists them)",
+                    known.join(", ")
+                );
             };
             if slot.replace(v).is_some() {
                 bail!("option '{k}' given twice");
@@ -104,8 +136,42 @@ fn parse_options(args: &[String]) -> anyhow::Result<Option<CreateOpts>> {
     Ok(Some(o))
 }
 
+/// The `-o` keys `create` takes.
+const CREATE_KEYS: [&str; 4] = ["backing_file", "backing_fmt", "cluster_size", "size"];
+
+/// The base image and its format, from `base_flag` (`-b` or `-B`) and
+/// `-F`, or from `-o backing_file=` and `backing_fmt=`.
+pub fn base_choice(
+    base_flag: Option<String>,
+    base_flag_name: &str,
+    format_flag: Option<crate::Fmt>,
+    o: &mut CreateOpts,
+) -> anyhow::Result<(Option<String>, Option<crate::Fmt>)> {
+    let name = one_of(
+        base_flag,
+        base_flag_name,
+        o.backing_file.take(),
+        "backing_file",
+    )?;
+    let format = match (format_flag, o.backing_fmt.take()) {
+        (Some(_), Some(_)) => bail!("-F and -o backing_fmt both given: use one"),
+        (Some(f), None) => Some(f),
+        (None, Some(s)) => Some(
+            crate::Fmt::from_str(&s, false)
+                .map_err(|_| anyhow::anyhow!("invalid backing_fmt '{s}' (expected raw or pcow)"))?,
+        ),
+        (None, None) => None,
+    };
+    if format.is_some() && name.is_none() {
+        bail!(
+            "a base format (-F or -o backing_fmt) needs a base image ({base_flag_name} or -o backing_file)"
+        );
+    }
+    Ok((name, format))
+}
+
 /// `flag` or option `key`, not both.
-fn one_of(
+pub fn one_of(
     flag: Option<String>,
     flag_name: &str,
     opt: Option<String>,
@@ -118,28 +184,16 @@ fn one_of(
 }
 
 pub fn create(a: CreateArgs) -> anyhow::Result<u8> {
-    let Some(o) = parse_options(&a.options)? else {
-        println!("{OPTION_HELP}");
+    let Some(mut o) = parse_options(&a.options, &CREATE_KEYS)? else {
+        println!("{}", option_help(&CREATE_KEYS));
         return Ok(0);
     };
     let Some(file) = a.file else {
         bail!("the image to create is missing (pcow-img create [OPTIONS] FILE [SIZE])");
     };
-    let cluster = one_of(a.cluster, "-c", o.cluster_size, "cluster_size")?;
-    let base_name = one_of(a.base, "-b", o.backing_file, "backing_file")?;
-    let base_fmt = match (a.base_format, o.backing_fmt) {
-        (Some(_), Some(_)) => bail!("-F and -o backing_fmt both given: use one"),
-        (Some(f), None) => Some(f),
-        (None, Some(s)) => Some(
-            crate::Fmt::from_str(&s, false)
-                .map_err(|_| anyhow::anyhow!("invalid backing_fmt '{s}' (expected raw or pcow)"))?,
-        ),
-        (None, None) => None,
-    };
+    let cluster = one_of(a.cluster, "-c", o.cluster_size.take(), "cluster_size")?;
+    let (base_name, base_fmt) = base_choice(a.base, "-b", a.base_format, &mut o)?;
     let size = one_of(a.size, "SIZE", o.size, "size")?;
-    if base_fmt.is_some() && base_name.is_none() {
-        bail!("a base format (-F or -o backing_fmt) needs a base image (-b or -o backing_file)");
-    }
     if a.format == Some(crate::Fmt::Raw) {
         if base_name.is_some() {
             bail!("a raw image has no base image (-b or -o backing_file is for pcow)");
@@ -228,15 +282,17 @@ mod tests {
 
     #[test]
     fn options_are_known_and_set_once() {
-        let o = parse_options(&["cluster_size=4k".into(), "size=1M".into()])
+        let o = parse_options(&["cluster_size=4k".into(), "size=1M".into()], &CREATE_KEYS)
             .unwrap()
             .unwrap();
         assert_eq!(o.cluster_size.as_deref(), Some("4k"));
         assert_eq!(o.size.as_deref(), Some("1M"));
-        assert!(parse_options(&["help".into()]).unwrap().is_none());
-        let e = parse_options(&["size=1M,size=2M".into()]).unwrap_err();
+        assert!(parse_options(&["help".into()], &CREATE_KEYS)
+            .unwrap()
+            .is_none());
+        let e = parse_options(&["size=1M,size=2M".into()], &CREATE_KEYS).unwrap_err();
         assert!(e.to_string().contains("twice"), "{e}");
-        let e = parse_options(&["compat=1.1".into()]).unwrap_err();
+        let e = parse_options(&["compat=1.1".into()], &CREATE_KEYS).unwrap_err();
         assert!(e.to_string().contains("unknown option 'compat'"), "{e}");
     }
 }

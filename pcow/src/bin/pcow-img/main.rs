@@ -81,7 +81,8 @@ enum Command {
     Rebase(RebaseArgs),
     /// Show where the image's data lives.
     Map(MapArgs),
-    /// Copy an image into a new raw or pcow file, skipping zeros.
+    /// Copy an image (or a snapshot of it) into a raw or pcow file, writing
+    /// only what differs from what the output shows.
     Convert(ConvertArgs),
     /// Check whether two images show the same content (exit 0 identical,
     /// 1 different, 2 opening, 3 allocation or 4 read errors).
@@ -243,19 +244,52 @@ struct ConvertArgs {
     /// Output format.
     #[arg(short = 'O', value_name = "FMT")]
     output_format: Fmt,
-    /// Cluster size of a pcow output.
+    /// qemu-img style options for a new pcow output, KEY=VALUE[,...]:
+    /// cluster_size, backing_file, backing_fmt ('help' lists them).
+    #[arg(short = 'o', value_name = "OPTIONS")]
+    options: Vec<String>,
+    /// Cluster size of a new pcow output.
     #[arg(short = 'c', value_name = "CLUSTER")]
     cluster: Option<String>,
+    /// Make the new pcow output an overlay of BASE (stored as given,
+    /// relative to OUTPUT's directory); only what differs from BASE is
+    /// written.
+    #[arg(short = 'B', value_name = "BASE")]
+    base: Option<String>,
+    /// Format of BASE (probed and recorded when absent).
+    #[arg(short = 'F', value_name = "BASE_FMT")]
+    base_format: Option<Fmt>,
+    /// Convert a snapshot of the input: snapshot.id=ID, snapshot.name=NAME
+    /// (or both, comma-separated), or an id or name.
+    #[arg(short = 'l', value_name = "SNAPSHOT_PARAM")]
+    load_snapshot: Option<String>,
+    /// Convert the snapshot with this id or name (the same as -l ID_OR_NAME).
+    #[arg(short = 's', value_name = "SNAPSHOT")]
+    snapshot: Option<String>,
+    /// Write into the existing OUTPUT (in the -O format, at least the
+    /// input's size) instead of creating it.
+    #[arg(short = 'n')]
+    existing_target: bool,
+    /// With -n: the target reads as zeros, so it is not read.
+    #[arg(long = "target-is-zero")]
+    target_is_zero: bool,
+    /// Zero runs shorter than this are allocated (a multiple of 4K up to
+    /// 16M; 0 allocates the whole output; default 4K).
+    #[arg(short = 'S', value_name = "SPARSE_SIZE")]
+    sparse_size: Option<String>,
     /// Show a progress bar.
     #[arg(short = 'p')]
     progress: bool,
+    /// Quiet: no notes.
+    #[arg(short = 'q')]
+    quiet: bool,
     /// Open the input without locks.
     #[arg(short = 'U', long = "force-share")]
     force_share: bool,
-    /// Input image.
-    input: PathBuf,
-    /// Output file (replaced).
-    output: PathBuf,
+    /// Input image (required unless -o help).
+    input: Option<PathBuf>,
+    /// Output file: replaced, or written into with -n.
+    output: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -368,6 +402,12 @@ fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .format_target(false)
         .init();
+    // A closed stdout (`pcow-img map | head`) ends the process as it ends
+    // `cat`, instead of a panic in `println!`. Writes to images are
+    // positioned writes to files, which never raise SIGPIPE.
+    // SAFETY: setting a signal's disposition to the default before any
+    // thread is started; no handler is installed.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
