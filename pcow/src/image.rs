@@ -204,19 +204,15 @@ pub(crate) fn io_err<'a>(
     }
 }
 
-/// Takes an advisory lock on the whole file; a conflict is [`Error::Locked`].
+/// Takes an advisory lock on the whole file; a conflict that outlasts
+/// [`crate::lock::lock`]'s retries is [`Error::Locked`].
 pub(crate) fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
-    let r = if exclusive {
-        file.try_lock()
-    } else {
-        file.try_lock_shared()
-    };
-    match r {
-        Ok(()) => Ok(()),
-        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
+    match crate::lock::lock(file, exclusive) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Error::Locked {
             path: path.to_owned(),
         }),
-        Err(std::fs::TryLockError::Error(e)) => Err(io_err(path, "locking")(e)),
+        Err(e) => Err(io_err(path, "locking")(e)),
     }
 }
 

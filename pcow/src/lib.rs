@@ -31,6 +31,7 @@ mod error;
 pub mod format;
 mod image;
 pub mod io;
+pub mod lock;
 pub mod ops;
 mod scan;
 mod slot_ends;

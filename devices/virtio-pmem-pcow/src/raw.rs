@@ -18,6 +18,12 @@ pub enum RawError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{path}: locking")]
+    Lock {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}: file is in use by another process (lock held)")]
     Locked { path: PathBuf },
     #[error("{path}: empty file")]
@@ -93,12 +99,11 @@ impl RawRegion {
                 path: path.to_owned(),
                 source,
             })?;
-        let locked = if discard_writes {
-            file.try_lock_shared()
-        } else {
-            file.try_lock()
-        };
-        if locked.is_err() {
+        let locked = pcow::lock::lock(&file, !discard_writes).map_err(|source| RawError::Lock {
+            path: path.to_owned(),
+            source,
+        })?;
+        if !locked {
             return Err(RawError::Locked {
                 path: path.to_owned(),
             });
