@@ -1404,6 +1404,13 @@ fn format_flag_on_info_check_and_map() {
     ok(p, &["check", "-f", "pcow", "a.pcow"]);
     fails(p, &["check", "-f", "raw", "a.pcow"], "no metadata to check");
     ok(p, &["map", "-f", "pcow", "a.pcow"]);
-    fails(p, &["map", "-f", "raw", "a.pcow"], "-f raw has no map");
+    // -f raw maps the file's bytes: all data, at their own offsets.
+    let out = ok(p, &["map", "-f", "raw", "a.pcow"]);
+    assert!(out.ends_with("\n0               0x1000          0               a.pcow\n"), "{out}");
+    let v = json(p, &["map", "--output", "json", "--start-offset", "64k", "r.img"]);
+    assert_eq!(v[0]["start"], 65536, "{v}");
+    assert_eq!(v[0]["data"], false, "{v}");
+    fails(p, &["map", "-f", "pcow", "r.img"], "not a pcow image");
+    fails(p, &["map", "--max-length", "x", "r.img"], "--max-length");
     fails(p, &["info", "-f", "qcow2", "a.pcow"], "qcow2");
 }

@@ -49,5 +49,8 @@ fn reopening_while_another_thread_starts_programs_finds_no_conflict() {
     );
     // Without the retries about half the reopens conflict here; with them,
     // only a child that waits over 100 ms to exec could cause one.
-    assert!(conflicts * 100 <= rounds, "{conflicts} of {rounds} reopens found the lock held");
+    assert!(
+        conflicts * 100 <= rounds,
+        "{conflicts} of {rounds} reopens found the lock held"
+    );
 }

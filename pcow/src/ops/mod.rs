@@ -23,5 +23,6 @@ pub fn resize(path: &Path, new_size: u64) -> Result<()> {
 }
 pub mod compare;
 pub mod convert;
+pub mod map;
 pub mod measure;
 mod source;

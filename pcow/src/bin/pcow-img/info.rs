@@ -5,12 +5,13 @@ use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use pcow::ops::convert::ImageFormat;
 use pcow::{Backing, BaseFormat, Image, OpenOptions};
 use serde_json::{json, Map, Value};
 
 use crate::output::{date, hex16, human_size, print_json};
+use crate::size::parse_size;
 use crate::{InfoArgs, MapArgs, OutputFormat};
 
 /// `(actual-size, file-length)` of an open file: blocks on disk times 512,
@@ -249,28 +250,37 @@ pub fn info(a: InfoArgs) -> anyhow::Result<u8> {
 }
 
 pub fn map(a: MapArgs) -> anyhow::Result<u8> {
-    if a.format == Some(crate::Fmt::Raw) {
-        bail!("map shows where a pcow image's data lives; -f raw has no map");
-    }
-    let img = open(&a.file, a.force_share)?;
-    let extents = img.extents();
+    let start = match &a.start_offset {
+        Some(s) => parse_size(s).context("--start-offset")?,
+        None => 0,
+    };
+    let max_length = match &a.max_length {
+        Some(s) => Some(parse_size(s).context("--max-length")?),
+        None => None,
+    };
+    let ranges = pcow::ops::map::map(
+        &a.file,
+        a.format.map(Into::into),
+        a.force_share,
+        start,
+        max_length,
+    )?;
     match a.output {
         OutputFormat::Json => {
-            let list: Vec<Value> = extents
+            let list: Vec<Value> = ranges
                 .iter()
-                .map(|e| {
-                    let data = e.file_offset.is_some();
+                .map(|r| {
                     let mut m = Map::new();
-                    m.insert("start".into(), json!(e.offset));
-                    m.insert("length".into(), json!(e.length));
-                    m.insert("depth".into(), json!(e.depth));
-                    m.insert("present".into(), json!(data));
-                    m.insert("zero".into(), json!(!data));
-                    m.insert("data".into(), json!(data));
-                    if let Some(o) = e.file_offset {
+                    m.insert("start".into(), json!(r.start));
+                    m.insert("length".into(), json!(r.length));
+                    m.insert("depth".into(), json!(r.depth));
+                    m.insert("present".into(), json!(r.present));
+                    m.insert("zero".into(), json!(!r.data));
+                    m.insert("data".into(), json!(r.data));
+                    if let Some(o) = r.offset {
                         m.insert("offset".into(), json!(o));
                     }
-                    m.insert("file".into(), json!(e.file.display().to_string()));
+                    m.insert("file".into(), json!(r.file.display().to_string()));
                     Value::Object(m)
                 })
                 .collect();
@@ -278,14 +288,14 @@ pub fn map(a: MapArgs) -> anyhow::Result<u8> {
         }
         OutputFormat::Human => {
             println!("{:<16}{:<16}{:<16}File", "Offset", "Length", "Mapped to");
-            for e in &extents {
-                if let Some(o) = e.file_offset {
+            for r in ranges.iter().filter(|r| r.data) {
+                if let Some(o) = r.offset {
                     println!(
                         "{}{}{}{}",
-                        hex16(e.offset),
-                        hex16(e.length),
+                        hex16(r.start),
+                        hex16(r.length),
                         hex16(o),
-                        e.file.display()
+                        r.file.display()
                     );
                 }
             }

@@ -226,6 +226,12 @@ struct MapArgs {
     /// Format of the image (probed when absent), as qemu-img's -f.
     #[arg(short = 'f', value_name = "FMT")]
     format: Option<Fmt>,
+    /// Map from this virtual offset (K/M/G/T suffixes).
+    #[arg(long = "start-offset", value_name = "OFFSET")]
+    start_offset: Option<String>,
+    /// Map at most this many bytes (K/M/G/T suffixes).
+    #[arg(long = "max-length", value_name = "LENGTH")]
+    max_length: Option<String>,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     output: OutputFormat,
