@@ -65,28 +65,50 @@ impl Storage for FileStorage {
         self.file.set_len(len)
     }
     fn allocate(&mut self, offset: u64, len: u64) -> io::Result<()> {
-        let (Ok(off), Ok(l)) = (i64::try_from(offset), i64::try_from(len)) else {
-            return Err(io::Error::from_raw_os_error(libc::EFBIG));
-        };
-        // SAFETY: fallocate only reads its integer arguments; the fd is owned
-        // by `self.file` and stays open for the call.
-        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, off, l) };
-        if r == 0 {
-            return Ok(());
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            // Filesystems without fallocate: extending is the best we can do.
-            Some(libc::EOPNOTSUPP) => {
-                if offset + len > self.len()? {
-                    self.set_len(offset + len)?;
-                }
-                Ok(())
-            }
-            _ => Err(e),
-        }
+        allocate_file(&self.file, offset, len)
     }
     fn file(&self) -> Option<&File> {
         Some(&self.file)
     }
+}
+
+/// Reserves `[offset, offset + len)` of `file` with `fallocate` (extending
+/// it), or only extends it where the file system has no `fallocate`.
+pub fn allocate_file(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let (Ok(off), Ok(l)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return Err(io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    // SAFETY: fallocate only reads its integer arguments; the fd is owned
+    // by `file`, which stays open for the call.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, off, l) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        // Filesystems without fallocate: extending is the best we can do.
+        Some(libc::EOPNOTSUPP) => {
+            if offset + len > file.metadata()?.len() {
+                file.set_len(offset + len)?;
+            }
+            Ok(())
+        }
+        _ => Err(e),
+    }
+}
+
+/// Allocates all `len` bytes of a raw file (qemu-img's `preallocation=`
+/// for raw): reserved, and with `write_zeros` also written.
+pub fn preallocate_file(file: &File, len: u64, write_zeros: bool) -> io::Result<()> {
+    allocate_file(file, 0, len)?;
+    if write_zeros {
+        let zeros = vec![0u8; (1u64 << 20).min(len) as usize];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(zeros.len() as u64);
+            file.write_all_at(&zeros[..n as usize], done)?;
+            done += n;
+        }
+    }
+    Ok(())
 }

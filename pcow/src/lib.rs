@@ -42,5 +42,5 @@ pub use error::{Error, Result};
 pub use format::{BaseFormat, BaseRef, FormatError, Geometry, Header};
 pub use image::{
     is_pcow, ActiveCluster, ClusterSource, CreateOptions, Extent, Image, OpenOptions, PageLocation,
-    SnapshotInfo, DEFAULT_CLUSTER_SIZE,
+    Preallocation, SnapshotInfo, DEFAULT_CLUSTER_SIZE,
 };

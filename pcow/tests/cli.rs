@@ -1017,6 +1017,95 @@ fn convert_snapshots_bases_existing_targets_and_sparse_sizes() {
 }
 
 #[test]
+fn preallocation_on_create_and_convert() {
+    use std::os::unix::fs::MetadataExt;
+    let d = tmp();
+    let p = d.path();
+    let on_disk = |name: &str| std::fs::metadata(p.join(name)).unwrap().blocks() * 512;
+    let out = ok(p, &["create", "-o", "preallocation=full", "a.pcow", "4M"]);
+    assert!(out.contains("preallocation=full size=4194304"), "{out}");
+    let v = json(p, &["info", "--output", "json", "a.pcow"]);
+    assert_eq!(v["allocated-clusters"], 64, "{v}");
+    assert!(on_disk("a.pcow") >= 4 << 20);
+    ok(p, &["check", "a.pcow"]);
+    assert_eq!(raw_view(p, "a.pcow"), vec![0u8; 4 << 20]);
+    let out = ok(
+        p,
+        &[
+            "create",
+            "-f",
+            "raw",
+            "-o",
+            "preallocation=falloc",
+            "r.raw",
+            "2M",
+        ],
+    );
+    assert!(
+        out.ends_with("size=2097152 preallocation=falloc\n"),
+        "{out}"
+    );
+    assert!(on_disk("r.raw") >= 2 << 20);
+    // An overlay: only the clusters its base leaves empty.
+    ok(p, &["create", "-c", "4k", "b.pcow", "1M"]);
+    ok(p, &["io", "-c", "write -P 5 0 512k", "b.pcow"]);
+    ok(
+        p,
+        &[
+            "create",
+            "-b",
+            "b.pcow",
+            "-o",
+            "preallocation=falloc",
+            "o.pcow",
+        ],
+    );
+    let v = json(p, &["info", "--output", "json", "o.pcow"]);
+    assert_eq!(v["allocated-clusters"], 8, "{v}");
+    assert_eq!(raw_view(p, "o.pcow"), raw_view(p, "b.pcow"));
+    // convert: a preallocated output holding the input.
+    ok(
+        p,
+        &[
+            "convert",
+            "-O",
+            "pcow",
+            "-o",
+            "preallocation=falloc",
+            "o.pcow",
+            "c.pcow",
+        ],
+    );
+    let v = json(p, &["info", "--output", "json", "c.pcow"]);
+    assert_eq!(v["allocated-clusters"], 16, "{v}");
+    assert_eq!(raw_view(p, "c.pcow"), raw_view(p, "b.pcow"));
+    fails(
+        p,
+        &["create", "-o", "preallocation=metadata", "x.pcow", "1M"],
+        "SIGBUS",
+    );
+    fails(
+        p,
+        &["create", "-o", "preallocation=sparse", "x.pcow", "1M"],
+        "off, falloc or full",
+    );
+    fails(
+        p,
+        &[
+            "convert",
+            "-n",
+            "-O",
+            "pcow",
+            "-o",
+            "preallocation=full",
+            "o.pcow",
+            "c.pcow",
+        ],
+        "preallocation applies to a new output",
+    );
+}
+
+#[test]
 fn a_closed_stdout_ends_pcow_img_without_a_panic() {
     let d = tmp();
     let p = d.path();
@@ -1406,8 +1495,14 @@ fn format_flag_on_info_check_and_map() {
     ok(p, &["map", "-f", "pcow", "a.pcow"]);
     // -f raw maps the file's bytes: all data, at their own offsets.
     let out = ok(p, &["map", "-f", "raw", "a.pcow"]);
-    assert!(out.ends_with("\n0               0x1000          0               a.pcow\n"), "{out}");
-    let v = json(p, &["map", "--output", "json", "--start-offset", "64k", "r.img"]);
+    assert!(
+        out.ends_with("\n0               0x1000          0               a.pcow\n"),
+        "{out}"
+    );
+    let v = json(
+        p,
+        &["map", "--output", "json", "--start-offset", "64k", "r.img"],
+    );
     assert_eq!(v[0]["start"], 65536, "{v}");
     assert_eq!(v[0]["data"], false, "{v}");
     fails(p, &["map", "-f", "pcow", "r.img"], "not a pcow image");

@@ -433,7 +433,11 @@ fn map_of_raw_files_as_qemu_img_does() {
             a.extend_from_slice(args);
             let (want, got) = (qemu(p, &a), pcow(p, &a));
             if json {
-                assert_eq!(strip(&got), strip(&want), "map {args:?}: pcow-img vs qemu-img");
+                assert_eq!(
+                    strip(&got),
+                    strip(&want),
+                    "map {args:?}: pcow-img vs qemu-img"
+                );
             } else {
                 assert_eq!(got, want, "map {args:?}: pcow-img vs qemu-img");
             }

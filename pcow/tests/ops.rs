@@ -524,3 +524,65 @@ fn inline_growth_caps_what_an_empty_pool_reserves() {
     img.close().unwrap();
     clean(&p);
 }
+
+/// Blocks the file at `path` takes on disk, in bytes.
+fn on_disk(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn preallocation_allocates_every_cluster_that_reads_as_zeros() {
+    use pcow::Preallocation;
+    let d = tempfile::tempdir().unwrap();
+    let cs = 64u64 << 10;
+    for mode in [Preallocation::Falloc, Preallocation::Full] {
+        let path = d.path().join(format!("{mode:?}.pcow"));
+        let mut img = create(&path, MIB, cs, None);
+        img.write_at(&[7u8; 5000], 70_000).unwrap();
+        let before = img.allocated_clusters();
+        assert_eq!(before, 1);
+        assert_eq!(img.preallocate(mode).unwrap(), 15, "{mode:?}");
+        assert_eq!(img.allocated_clusters(), 16);
+        // Again: nothing left to allocate.
+        assert_eq!(img.preallocate(mode).unwrap(), 0);
+        img.close().unwrap();
+        clean(&path);
+        let mut want = vec![0u8; MIB as usize];
+        want[70_000..75_000].fill(7);
+        assert_eq!(read_all(&path), want, "{mode:?}");
+        assert!(
+            on_disk(&path) >= 16 * cs,
+            "{mode:?}: {} bytes on disk",
+            on_disk(&path)
+        );
+        let img = Image::open(&path, OpenOptions::read_only()).unwrap();
+        assert!((0..16).all(|v| img.active_offset(v).is_some()), "{mode:?}");
+    }
+    // Over a base: the clusters the base has data in are left to
+    // copy-on-write; the base's view is unchanged.
+    let base = d.path().join("base.pcow");
+    let mut b = create(&base, MIB, cs, None);
+    b.write_at(&[1u8; 200_000], 0).unwrap(); // clusters 0..=3
+    b.close().unwrap();
+    let top = d.path().join("top.pcow");
+    let mut t = create(&top, MIB, cs, Some("base.pcow"));
+    assert_eq!(t.preallocate(Preallocation::Falloc).unwrap(), 12);
+    t.close().unwrap();
+    clean(&top);
+    assert_eq!(read_all(&top), read_all(&base));
+    // Off does nothing; a read-only image is refused.
+    let mut t = Image::open(&top, OpenOptions::read_write()).unwrap();
+    assert_eq!(t.preallocate(Preallocation::Off).unwrap(), 0);
+    drop(t);
+    let mut ro = Image::open(&top, OpenOptions::read_only()).unwrap();
+    assert!(ro.preallocate(Preallocation::Full).is_err());
+    // The modes by name, as qemu-img spells them.
+    assert_eq!(
+        "full".parse::<Preallocation>().unwrap(),
+        Preallocation::Full
+    );
+    let e = "metadata".parse::<Preallocation>().unwrap_err();
+    assert!(e.to_string().contains("SIGBUS"), "{e}");
+    assert!("sparse".parse::<Preallocation>().is_err());
+}

@@ -760,3 +760,45 @@ fn writers_and_a_reader_racing_barriers_past_the_zero_budget_lose_nothing() {
     same(&reopen_read(&top), &model, "reopened");
     check_clean(&top);
 }
+
+/// An image preallocated up front (`pcow-img create -o
+/// preallocation=falloc`) is mapped shared as a whole: the guest's writes
+/// take no fault, and a barrier has nothing to copy.
+#[test]
+fn a_preallocated_image_is_mapped_shared_and_writes_take_no_fault() {
+    if !uffd_or_skip("a_preallocated_image_is_mapped_shared_and_writes_take_no_fault") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pre.pcow");
+    let clusters = 32;
+    let mut img = create(&path, clusters * K64, K64, None);
+    assert_eq!(
+        img.preallocate(pcow::Preallocation::Falloc).unwrap(),
+        clusters
+    );
+    img.close().unwrap();
+    let rig = Rig::open(&path, &RegionOptions::default()).unwrap();
+    let st = rig.region.status().unwrap();
+    assert_eq!(
+        (st.shared, st.holes, st.private),
+        (clusters, 0, 0),
+        "{st:?}"
+    );
+    let mut model = vec![0u8; (clusters * K64) as usize];
+    for c in 0..clusters {
+        let d = pattern(c, 5000);
+        let off = c * K64 + 300;
+        rig.write(off, &d);
+        model[off as usize..][..d.len()].copy_from_slice(&d);
+    }
+    let b = rig.region.barrier().unwrap();
+    assert_eq!(b.pages_copied, 0, "{b:?}");
+    let st = rig.region.status().unwrap();
+    assert_eq!(st.faults.write_faults + st.faults.read_faults, 0, "{st:?}");
+    assert_eq!(st.allocated_clusters, clusters, "{st:?}");
+    same(&rig.read(0, model.len()), &model, "region");
+    rig.close();
+    same(&reopen_read(&path), &model, "reopened");
+    check_clean(&path);
+}

@@ -31,7 +31,9 @@ use std::path::{Path, PathBuf};
 use crate::chain::Backing;
 use crate::error::{Error, Result};
 use crate::format::{BaseRef, Geometry, PAGE_SIZE};
-use crate::image::{io_err, is_pcow, CreateOptions, Image, OpenOptions, DEFAULT_CLUSTER_SIZE};
+use crate::image::{
+    io_err, is_pcow, CreateOptions, Image, OpenOptions, Preallocation, DEFAULT_CLUSTER_SIZE,
+};
 
 pub(crate) use super::source::{is_zero, next_data, Source};
 pub use super::source::{ImageFormat, SnapshotSel};
@@ -65,6 +67,8 @@ pub struct ConvertOptions {
     /// Zero runs shorter than this are written (allocated); 0 allocates
     /// everything (`-S`). A multiple of 4096, at most 16 MiB.
     pub sparse_size: u64,
+    /// Allocate a new output up front (`-o preallocation=`).
+    pub preallocation: Preallocation,
 }
 
 impl ConvertOptions {
@@ -80,6 +84,7 @@ impl ConvertOptions {
             existing_target: false,
             target_is_zero: false,
             sparse_size: DEFAULT_SPARSE_SIZE,
+            preallocation: Preallocation::Off,
         }
     }
 
@@ -98,6 +103,9 @@ impl ConvertOptions {
         }
         if self.existing_target && self.base.is_some() {
             return bad("the target exists (-n): it keeps its own base (rebase changes it)");
+        }
+        if self.existing_target && self.preallocation != Preallocation::Off {
+            return bad("the target exists (-n): preallocation applies to a new output");
         }
         if self.target_is_zero && !self.existing_target {
             return bad("--target-is-zero only applies to an existing target (-n)");
@@ -239,7 +247,15 @@ impl Target {
     fn create(path: &Path, opts: &ConvertOptions, g: Geometry, src: &Source) -> Result<Target> {
         let size = src.size();
         Ok(match opts.output_format {
-            ImageFormat::Raw => Target::Raw(RawOutput::create(path, size)?),
+            ImageFormat::Raw => {
+                let out = RawOutput::create(path, size)?;
+                if opts.preallocation != Preallocation::Off {
+                    let full = opts.preallocation == Preallocation::Full;
+                    crate::io::preallocate_file(&out.file, size, full)
+                        .map_err(io_err(path, "preallocating"))?;
+                }
+                Target::Raw(out)
+            }
             ImageFormat::Pcow => {
                 if size == 0 {
                     return Err(Error::Invalid(format!(
@@ -252,7 +268,9 @@ impl Target {
                     virtual_size: Some(pcow_size(size, g.cluster_size())),
                     base: opts.base.clone(),
                 };
-                Target::Pcow(Box::new(Image::create(path, &create)?))
+                let mut img = Image::create(path, &create)?;
+                img.preallocate(opts.preallocation)?;
+                Target::Pcow(Box::new(img))
             }
         })
     }

@@ -8,7 +8,9 @@ use pcow::ops::measure::{measure_image, measure_size};
 use pcow::BaseRef;
 use serde_json::json;
 
-use crate::create::{base_choice, base_format, cluster_size, one_of, option_help, parse_options};
+use crate::create::{
+    base_choice, base_format, cluster_size, one_of, option_help, parse_options, preallocation,
+};
 use crate::output::print_json;
 use crate::size::parse_size;
 use crate::{CompareArgs, ConvertArgs, Fmt, MeasureArgs, OutputFormat};
@@ -42,7 +44,12 @@ fn with_progress<T>(show: bool, op: impl FnOnce(&mut dyn FnMut(u64, u64)) -> T) 
 }
 
 /// The `-o` keys `convert` takes.
-const CONVERT_KEYS: [&str; 3] = ["backing_file", "backing_fmt", "cluster_size"];
+const CONVERT_KEYS: [&str; 4] = [
+    "backing_file",
+    "backing_fmt",
+    "cluster_size",
+    "preallocation",
+];
 
 pub fn convert(a: ConvertArgs) -> anyhow::Result<u8> {
     let Some(mut o) = parse_options(&a.options, &CONVERT_KEYS)? else {
@@ -83,6 +90,7 @@ pub fn convert(a: ConvertArgs) -> anyhow::Result<u8> {
         existing_target: a.existing_target,
         target_is_zero: a.target_is_zero,
         sparse_size,
+        preallocation: preallocation(&o)?,
         ..ConvertOptions::new(a.output_format.into())
     };
     let report = with_progress(a.progress, |progress| {

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 use clap::ValueEnum;
-use pcow::{BaseFormat, BaseRef, CreateOptions, Image, DEFAULT_CLUSTER_SIZE};
+use pcow::{BaseFormat, BaseRef, CreateOptions, Image, Preallocation, DEFAULT_CLUSTER_SIZE};
 
 use crate::size::{parse_aligned, parse_size};
 use crate::CreateArgs;
@@ -38,7 +38,7 @@ pub fn base_format(image: &Path, name: &str, given: Option<crate::Fmt>) -> BaseF
 
 /// What `-o` may set, as qemu-img names it, with the flag each one
 /// stands for.
-const OPTIONS: [(&str, &str, &str); 4] = [
+const OPTIONS: [(&str, &str, &str); 5] = [
     (
         "backing_file",
         "FILE",
@@ -53,6 +53,11 @@ const OPTIONS: [(&str, &str, &str); 4] = [
         "cluster_size",
         "SIZE",
         "cluster size, a power of two from 4K to 2M (the same as -c)",
+    ),
+    (
+        "preallocation",
+        "MODE",
+        "off (default), falloc or full: allocate every cluster up front",
     ),
     (
         "size",
@@ -77,6 +82,7 @@ pub struct CreateOpts {
     pub backing_fmt: Option<String>,
     pub cluster_size: Option<String>,
     pub size: Option<String>,
+    pub preallocation: Option<String>,
 }
 
 /// Splits one `-o` value at commas (`,,` is a comma inside a value) into
@@ -119,6 +125,7 @@ pub fn parse_options(args: &[String], known: &[&str]) -> anyhow::Result<Option<C
                 "backing_fmt" => Some(&mut o.backing_fmt),
                 "cluster_size" => Some(&mut o.cluster_size),
                 "size" => Some(&mut o.size),
+                "preallocation" => Some(&mut o.preallocation),
                 _ => None,
             }
             .filter(|_| known.contains(&k.as_str()));
@@ -137,7 +144,30 @@ pub fn parse_options(args: &[String], known: &[&str]) -> anyhow::Result<Option<C
 }
 
 /// The `-o` keys `create` takes.
-const CREATE_KEYS: [&str; 4] = ["backing_file", "backing_fmt", "cluster_size", "size"];
+const CREATE_KEYS: [&str; 5] = [
+    "backing_file",
+    "backing_fmt",
+    "cluster_size",
+    "preallocation",
+    "size",
+];
+
+/// `-o preallocation=MODE`, off when absent.
+pub fn preallocation(o: &CreateOpts) -> anyhow::Result<Preallocation> {
+    Ok(match &o.preallocation {
+        Some(m) => m.parse()?,
+        None => Preallocation::Off,
+    })
+}
+
+/// How the "Formatting" line names a mode other than off.
+fn prealloc_note(p: Preallocation) -> &'static str {
+    match p {
+        Preallocation::Off => "",
+        Preallocation::Falloc => " preallocation=falloc",
+        Preallocation::Full => " preallocation=full",
+    }
+}
 
 /// The base image and its format, from `base_flag` (`-b` or `-B`) and
 /// `-F`, or from `-o backing_file=` and `backing_fmt=`.
@@ -193,7 +223,8 @@ pub fn create(a: CreateArgs) -> anyhow::Result<u8> {
     };
     let cluster = one_of(a.cluster, "-c", o.cluster_size.take(), "cluster_size")?;
     let (base_name, base_fmt) = base_choice(a.base, "-b", a.base_format, &mut o)?;
-    let size = one_of(a.size, "SIZE", o.size, "size")?;
+    let size = one_of(a.size, "SIZE", o.size.take(), "size")?;
+    let prealloc = preallocation(&o)?;
     if a.format == Some(crate::Fmt::Raw) {
         if base_name.is_some() {
             bail!("a raw image has no base image (-b or -o backing_file is for pcow)");
@@ -201,7 +232,7 @@ pub fn create(a: CreateArgs) -> anyhow::Result<u8> {
         if cluster.is_some() {
             bail!("a raw image has no cluster size (-c or -o cluster_size is for pcow)");
         }
-        return create_raw(&file, size.as_deref());
+        return create_raw(&file, size.as_deref(), prealloc);
     }
     let cluster = cluster_size(cluster.as_deref())?;
     let cs = cluster.unwrap_or(DEFAULT_CLUSTER_SIZE);
@@ -227,12 +258,14 @@ pub fn create(a: CreateArgs) -> anyhow::Result<u8> {
         virtual_size: size,
         base: base.clone(),
     };
-    let img = Image::create(&file, &opts)?;
+    let mut img = Image::create(&file, &opts)?;
+    img.preallocate(prealloc)?;
     let vs = img.virtual_size();
     img.close()?;
     let mut line = format!(
-        "Formatting '{}', fmt=pcow cluster_size={cs} size={vs}",
-        file.display()
+        "Formatting '{}', fmt=pcow cluster_size={cs}{} size={vs}",
+        file.display(),
+        prealloc_note(prealloc)
     );
     if let Some(b) = base {
         line.push_str(&format!(
@@ -246,7 +279,7 @@ pub fn create(a: CreateArgs) -> anyhow::Result<u8> {
 }
 
 /// `create -f raw`: a sparse file of `size` bytes (replacing `path`).
-fn create_raw(path: &Path, size: Option<&str>) -> anyhow::Result<u8> {
+fn create_raw(path: &Path, size: Option<&str>, prealloc: Preallocation) -> anyhow::Result<u8> {
     let Some(s) = size else {
         bail!("a size is needed for a raw image");
     };
@@ -255,9 +288,17 @@ fn create_raw(path: &Path, size: Option<&str>) -> anyhow::Result<u8> {
         .with_context(|| format!("{}: creating the file", path.display()))?;
     f.set_len(n)
         .with_context(|| format!("{}: setting its length to {n}", path.display()))?;
+    if prealloc != Preallocation::Off {
+        pcow::io::preallocate_file(&f, n, prealloc == Preallocation::Full)
+            .with_context(|| format!("{}: preallocating {n} bytes", path.display()))?;
+    }
     f.sync_all()
         .with_context(|| format!("{}: syncing", path.display()))?;
-    println!("Formatting '{}', fmt=raw size={n}", path.display());
+    println!(
+        "Formatting '{}', fmt=raw size={n}{}",
+        path.display(),
+        prealloc_note(prealloc)
+    );
     Ok(0)
 }
 
