@@ -1092,7 +1092,7 @@ impl Image {
         if mode == Preallocation::Off {
             return Ok(0);
         }
-        self.require_writable_image()?;
+        self.require_writable()?;
         let layer = self.header.active_layer;
         let cs = self.g.cluster_size();
         let parent = self.layers[layer as usize].parent;
@@ -1126,16 +1126,6 @@ impl Image {
         result?;
         self.flush()?;
         Ok(missing.len() as u64)
-    }
-
-    fn require_writable_image(&self) -> Result<()> {
-        if self.writable {
-            Ok(())
-        } else {
-            Err(Error::ReadOnly {
-                path: self.path.clone(),
-            })
-        }
     }
 
     /// Grows the pre-allocated pool to its full size now, so that later

@@ -65,7 +65,7 @@ impl Image {
         Ok(())
     }
 
-    fn require_writable(&self) -> Result<()> {
+    pub(crate) fn require_writable(&self) -> Result<()> {
         if self.writable {
             Ok(())
         } else {

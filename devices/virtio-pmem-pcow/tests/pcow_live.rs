@@ -117,15 +117,6 @@ impl Rig {
     }
 }
 
-/// The view of an image opened read-only with the library (shared locks:
-/// fails while a writer holds it).
-fn view(path: &Path) -> Vec<u8> {
-    let img = Image::open(path, OpenOptions::read_only()).expect("open read-only");
-    let mut v = vec![0u8; img.virtual_size() as usize];
-    img.read_at(&mut v, 0).expect("read");
-    v
-}
-
 /// The view of an image in use (no locks).
 fn base_name(path: &Path) -> Option<String> {
     let img = Image::open(
@@ -259,24 +250,24 @@ fn overlays_taken_while_writers_run_capture_exactly_the_held_state() {
     same(&rig.read(0, now.len()), &now, "region");
     // The bases can be read (shared locks) while the device runs.
     same(
-        &view(&top),
+        &reopen_read(&top),
         &replay(&model0, &log[..marks[0]]),
         "top at overlay 1",
     );
     same(
-        &view(&ov1),
+        &reopen_read(&ov1),
         &replay(&model0, &log[..marks[2]]),
         "ov1 at overlay 2",
     );
     rig.close();
-    same(&view(&ov2), &now, "ov2 reopened");
+    same(&reopen_read(&ov2), &now, "ov2 reopened");
     same(
-        &view(&top),
+        &reopen_read(&top),
         &replay(&model0, &log[..marks[0]]),
         "top after close",
     );
     same(
-        &view(&ov1),
+        &reopen_read(&ov1),
         &replay(&model0, &log[..marks[2]]),
         "ov1 after close",
     );
@@ -341,8 +332,8 @@ fn after_an_overlay_the_base_never_changes_and_the_overlay_reopens() {
     assert_eq!(st.chain.len(), 3);
     rig.close();
     assert_eq!(std::fs::read(&top).unwrap(), top_bytes, "base unchanged");
-    same(&view(&top), &top_view, "base view");
-    same(&view(&ov), &model, "overlay view");
+    same(&reopen_read(&top), &top_view, "base view");
+    same(&reopen_read(&ov), &model, "overlay view");
     check_clean(&top);
     check_clean(&ov);
     // The snapshot, on a copy (rolling back a base would change its
@@ -363,7 +354,7 @@ fn after_an_overlay_the_base_never_changes_and_the_overlay_reopens() {
     w(&rig, &mut model, 55 * K64 + 7, 51, 200);
     rig.region.barrier().unwrap();
     rig.close();
-    same(&view(&ov), &model, "overlay reopened twice");
+    same(&reopen_read(&ov), &model, "overlay reopened twice");
     assert_eq!(std::fs::read(&top).unwrap(), top_bytes, "base unchanged");
 }
 
@@ -431,8 +422,8 @@ fn refused_and_failed_overlays_leave_the_device_on_its_image() {
     model[30 * K64 as usize..][..5].copy_from_slice(b"after");
     rig.region.barrier().unwrap();
     rig.close();
-    same(&view(&ov_ok), &model, "overlay");
-    same(&view(&top), &at_overlay, "top");
+    same(&reopen_read(&ov_ok), &model, "overlay");
+    same(&reopen_read(&top), &at_overlay, "top");
     check_clean(&top);
     check_clean(&ov_ok);
 }
@@ -497,7 +488,7 @@ fn with_the_worker_write_faults_never_allocate_inline() {
     assert_eq!(st.pool_error, None);
     rig.region.barrier().unwrap();
     rig.close();
-    same(&view(&path), &model, "reopened");
+    same(&reopen_read(&path), &model, "reopened");
     check_clean(&path);
 
     // Without the worker, the same faults refill inline every 64 clusters.
@@ -554,7 +545,7 @@ fn the_monitor_reads_a_bursts_faults_while_it_polls() {
         }
         rig.region.barrier().unwrap();
         rig.close();
-        same(&view(&path), &model, name);
+        same(&reopen_read(&path), &model, name);
         check_clean(&path);
     }
 }
@@ -790,7 +781,7 @@ fn the_worker_restarts_on_the_overlay() {
     assert_eq!(st.pool_error, None);
     rig.region.barrier().unwrap();
     rig.close();
-    let v = view(&ov);
+    let v = reopen_read(&ov);
     for c in 0..200u64 {
         assert_eq!(v[(c * K64) as usize], if c < 100 { 1 } else { 2 });
     }

@@ -799,6 +799,13 @@ mod tests {
         ConvertOptions::new(out)
     }
 
+    fn base_ref(name: &str, format: BaseFormat) -> Option<BaseRef> {
+        Some(BaseRef {
+            name: name.into(),
+            format,
+        })
+    }
+
     fn run(input: &Path, output: &Path, o: &ConvertOptions) -> Result<ConvertReport> {
         convert(input, output, o, &mut |_, _| {})
     }
@@ -947,10 +954,7 @@ mod tests {
         let o = ConvertOptions {
             snapshot: Some(SnapshotSel::IdOrTag("first".into())),
             cluster_size: Some(4096),
-            base: Some(BaseRef {
-                name: "top.pcow".into(),
-                format: BaseFormat::Pcow,
-            }),
+            base: base_ref("top.pcow", BaseFormat::Pcow),
             ..opts(ImageFormat::Pcow)
         };
         let over = dir.path().join("over.pcow");
@@ -1009,10 +1013,7 @@ mod tests {
         std::fs::write(d.join("in.raw"), &input).unwrap();
         let o = ConvertOptions {
             cluster_size: Some(4096),
-            base: Some(BaseRef {
-                name: "base.raw".into(),
-                format: BaseFormat::Raw,
-            }),
+            base: base_ref("base.raw", BaseFormat::Raw),
             ..opts(ImageFormat::Pcow)
         };
         let out = d.join("out.pcow");
@@ -1052,10 +1053,7 @@ mod tests {
         t.close().unwrap();
         let o = ConvertOptions {
             cluster_size: Some(4096),
-            base: Some(BaseRef {
-                name: "b.pcow".into(),
-                format: BaseFormat::Pcow,
-            }),
+            base: base_ref("b.pcow", BaseFormat::Pcow),
             ..opts(ImageFormat::Pcow)
         };
         let out = d.join("out.pcow");
@@ -1074,10 +1072,7 @@ mod tests {
         assert_eq!(view(&out16), view(&d.join("t.pcow")));
         // The input as its own base: nothing to write.
         let o = ConvertOptions {
-            base: Some(BaseRef {
-                name: "t.pcow".into(),
-                format: BaseFormat::Pcow,
-            }),
+            base: base_ref("t.pcow", BaseFormat::Pcow),
             ..o16
         };
         let r = run(&d.join("t.pcow"), &d.join("same.pcow"), &o).unwrap();
@@ -1106,10 +1101,7 @@ mod tests {
         assert!(want[8192..].iter().all(|&b| b == 0));
         let o = ConvertOptions {
             cluster_size: Some(4096),
-            base: Some(BaseRef {
-                name: "b.pcow".into(),
-                format: BaseFormat::Pcow,
-            }),
+            base: base_ref("b.pcow", BaseFormat::Pcow),
             ..opts(ImageFormat::Pcow)
         };
         let out = d.join("out.pcow");
@@ -1280,10 +1272,6 @@ mod tests {
     fn meaningless_combinations_are_refused_before_anything_is_opened() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("missing");
-        let base = Some(BaseRef {
-            name: "b".into(),
-            format: BaseFormat::Raw,
-        });
         let cases = [
             (
                 ConvertOptions {
@@ -1294,7 +1282,7 @@ mod tests {
             ),
             (
                 ConvertOptions {
-                    base: base.clone(),
+                    base: base_ref("b", BaseFormat::Raw),
                     ..opts(ImageFormat::Raw)
                 },
                 "a raw output has no base",
@@ -1302,7 +1290,7 @@ mod tests {
             (
                 ConvertOptions {
                     existing_target: true,
-                    base,
+                    base: base_ref("b", BaseFormat::Raw),
                     ..opts(ImageFormat::Pcow)
                 },
                 "keeps its own base",
