@@ -41,7 +41,8 @@ plot dir."/plot-latency.dat" \
     '' using 9 title "qcow2 allocating write" lc rgb "#c62828", \
     '' using 10 title "qcow2 overwrite" lc rgb "#ef9a9a", \
     '' using 11 title "qcow2 overlay copy-on-write" lc rgb "#6a1b9a", \
-    '' using 12 title "bare userfaultfd handler: expansion" lc rgb "#37474f"
+    '' using 12 title "bare userfaultfd handler: expansion" lc rgb "#37474f", \
+    '' using 13 title "pcow, preallocated: first write" lc rgb "#00838f"
 
 # 2. Barrier vs pending pages.
 set title "Barrier (p50) by pending private pages, vs fdatasync of a raw file after writing the same pages, log scale"

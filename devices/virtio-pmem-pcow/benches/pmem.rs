@@ -15,6 +15,8 @@
 //!    the same cluster of a raw sparse file mapped `MAP_SHARED` and with a
 //!    bare userfaultfd handler (the mechanism's floor: map a reserved
 //!    file cluster and wake, nothing else);
+//!    1b. the same first writes into an image preallocated up front
+//!    (`preallocation=falloc`: mapped shared whole, no fault to resolve);
 //! 2. steady state once every cluster is mapped: a first full write pass,
 //!    1 MiB sequential copies over the whole region and 4 KiB random
 //!    writes, pcow vs the raw mapping, and the region's VMA count;
@@ -563,12 +565,18 @@ enum Pool {
     Inline,
     /// A pool holding a cluster for every hole before the first fault.
     Prefilled,
+    /// No holes: every cluster allocated up front
+    /// (`Image::preallocate`, `preallocation=falloc`).
+    Preallocated,
 }
 
 /// An empty image of `size` mapped as a region.
 fn fresh_region(path: &Path, cs: u64, size: u64, pool: Pool) -> Res<Rig> {
     let mut img = create_image(path, cs, Some(size), None)?;
     let mut opts = RegionOptions::default();
+    if pool == Pool::Preallocated {
+        img.preallocate(pcow::Preallocation::Falloc)?;
+    }
     if pool == Pool::Prefilled {
         let n = size / cs + 1;
         img.set_pool_clusters(n);
@@ -720,7 +728,7 @@ impl Report {
     }
 }
 
-const LATENCY_SERIES: [&str; 11] = [
+const LATENCY_SERIES: [&str; 12] = [
     "raw_first_touch",
     "pcow_expansion_worker",
     "pcow_expansion_inline",
@@ -732,6 +740,7 @@ const LATENCY_SERIES: [&str; 11] = [
     "qcow2_overwrite",
     "qcow2_overlay_cow",
     "bare_uffd_expansion",
+    "pcow_preallocated_first_write",
 ];
 
 const STEADY_SERIES: [&str; 3] = ["seq_1MiB", "random_4KiB", "first_pass"];
@@ -793,12 +802,15 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     let rig_w = fresh_region(&c.dir.join("worker.pcow"), cs, size, Pool::Worker)?;
     let rig_i = fresh_region(&c.dir.join("inline.pcow"), cs, size, Pool::Inline)?;
     let rig_b = fresh_region(&c.dir.join("prefilled.pcow"), cs, size, Pool::Prefilled)?;
+    let rig_p = fresh_region(&c.dir.join("prealloc.pcow"), cs, size, Pool::Preallocated)?;
     let bare = BareHandler::create(&c.dir.join("bare.img"), size, cs)?;
     // Let the worker fill its first pool, as it would before a guest runs.
     std::thread::sleep(std::time::Duration::from_millis(200));
     let order = Rng(0x5eed ^ cs).shuffled(n);
     let (mr, mw, mi, mb, mx) = (raw.mem(), rig_w.mem(), rig_i.mem(), rig_b.mem(), bare.mem());
+    let mp = rig_p.mem();
     let (mut tr, mut tw, mut ti, mut tb, mut tx) = (vec![], vec![], vec![], vec![], vec![]);
+    let mut tp = vec![];
     // Each variant writes a run of clusters in turn: the first writes of a
     // guest come in bursts (and the monitor's polling is made for them),
     // while the turns keep the variants side by side in time. The variant
@@ -810,6 +822,7 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
             (mi, &mut ti),
             (mb, &mut tb),
             (mx, &mut tx),
+            (mp, &mut tp),
         ];
         let turns = sides.len();
         sides.rotate_left(k % turns);
@@ -824,6 +837,8 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     let bare_faults = bare.finish()?;
     let _ = std::fs::remove_file(c.dir.join("bare.img"));
     let (sr, sw, si, sb, sx) = (stats(tr), stats(tw), stats(ti), stats(tb), stats(tx));
+    let sp = stats(tp);
+    let stp = rig_p.region.status()?;
     let (vw, vi, vb) = (rig_w.vmas(), rig_i.vmas(), rig_b.vmas());
     let stw = rig_w.region.status()?;
     let title = "1. Expansion: first 1-byte write into a hole (µs per cluster)";
@@ -852,6 +867,26 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     rep.tsv("expansion", &c.name, "pcow_inline", &si, "us");
     rep.tsv("expansion", &c.name, "pcow_prefilled", &sb, "us");
     rep.tsv("expansion", &c.name, "bare_uffd_handler", &sx, "us");
+    rep.tsv("expansion", &c.name, "pcow_preallocated", &sp, "us");
+    let title_p = "1b. First write into a preallocated image (µs per cluster)";
+    rep.table(
+        title_p,
+        "| fs | cluster | samples | raw first touch p50 / p99 | pcow, preallocated (falloc) p50 / p99 | pcow expansion (default) p50 | preallocated / raw (p50) | preallocated / expansion (p50) | faults taken (preallocated) |",
+    );
+    rep.row(
+        title_p,
+        &[
+            c.fs.clone(),
+            short_cs(cs),
+            n.to_string(),
+            format!("{} / {}", f1(sr.p50), f1(sr.p99)),
+            format!("**{}** / {}", f1(sp.p50), f1(sp.p99)),
+            f1(sw.p50),
+            ratio(sp.p50, sr.p50),
+            ratio(sp.p50, sw.p50),
+            (stp.faults.write_faults + stp.faults.read_faults).to_string(),
+        ],
+    );
     if bare_faults != n {
         rep.note(format!(
             "{}: the bare handler resolved {bare_faults} faults for {n} clusters",
@@ -874,6 +909,9 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     lat.insert("pcow_expansion_inline", si.p50);
     lat.insert("pcow_expansion_prefilled", sb.p50);
     lat.insert("bare_uffd_expansion", sx.p50);
+    lat.insert("pcow_preallocated_first_write", sp.p50);
+    rig_p.close();
+    let _ = std::fs::remove_file(c.dir.join("prealloc.pcow"));
     rig_w.close();
     rig_i.close();
     let _ = std::fs::remove_file(c.dir.join("worker.pcow"));
