@@ -46,16 +46,17 @@ fn create_and_info_json() {
     let v = json(d.path(), &["info", "--output", "json", "a.pcow"]);
     assert_eq!(v["filename"], "a.pcow");
     assert_eq!(v["format"], "pcow");
-    assert_eq!(v["format-version"], 1);
+    assert_eq!(v["format-specific"]["type"], "pcow");
+    assert_eq!(v["format-specific"]["data"]["format-version"], 1);
     assert_eq!(v["virtual-size"], 1 << 20);
     assert_eq!(v["cluster-size"], 4096);
-    assert_eq!(v["allocated-clusters"], 0);
-    assert_eq!(v["file-length"], 4096);
+    assert_eq!(v["format-specific"]["data"]["allocated-clusters"], 0);
+    assert_eq!(v["format-specific"]["data"]["file-length"], 4096);
     assert!(v["actual-size"].is_u64());
     assert_eq!(v["dirty-flag"], false);
-    assert!(v["generation"].as_u64().unwrap() >= 1);
+    assert!(v["format-specific"]["data"]["generation"].as_u64().unwrap() >= 1);
     assert_eq!(v["snapshots"], serde_json::json!([]));
-    assert_eq!(v["backing-chain-depth"], 0);
+    assert_eq!(v["format-specific"]["data"]["backing-chain-depth"], 0);
     assert!(v.get("backing-filename").is_none());
 
     ok(d.path(), &["create", "b.pcow", "64K"]);
@@ -119,13 +120,13 @@ fn create_with_base_and_backing_chain() {
         std::fs::canonicalize(full).unwrap(),
         std::fs::canonicalize(sub.join("r.raw")).unwrap()
     );
-    assert_eq!(v["backing-chain-depth"], 1);
+    assert_eq!(v["format-specific"]["data"]["backing-chain-depth"], 1);
 
     // Without -F the base's format is probed and recorded.
     ok(d.path(), &["create", "-b", "mid.pcow", "sub/top.pcow"]);
     let v = json(d.path(), &["info", "--output", "json", "sub/top.pcow"]);
     assert_eq!(v["backing-filename-format"], "pcow");
-    assert_eq!(v["backing-chain-depth"], 2);
+    assert_eq!(v["format-specific"]["data"]["backing-chain-depth"], 2);
 
     let chain = json(
         d.path(),
@@ -456,8 +457,8 @@ fn snapshots_create_list_apply_delete() {
     let v = json(p, &["info", "--output", "json", "a.pcow"]);
     let snaps = v["snapshots"].as_array().unwrap();
     assert_eq!(snaps.len(), 2);
-    assert_eq!(snaps[0]["id"], 1);
-    assert_eq!(snaps[0]["tag"], "one");
+    assert_eq!(snaps[0]["id"], "1");
+    assert_eq!(snaps[0]["name"], "one");
     assert!(snaps[0]["date-sec"].as_u64().unwrap() > 0);
     assert!(snaps[0]["date-nsec"].as_u64().unwrap() < 1_000_000_000);
 
@@ -617,7 +618,7 @@ fn convert_round_trip_and_sparse_output() {
     let v = json(p, &["info", "--output", "json", "a.pcow"]);
     assert_eq!(v["virtual-size"], size);
     // 300000 bytes -> 5 clusters of 64 KiB, plus one for "middle".
-    assert_eq!(v["allocated-clusters"], 6);
+    assert_eq!(v["format-specific"]["data"]["allocated-clusters"], 6);
     ok(p, &["check", "a.pcow"]);
 
     // measure IN predicts exactly the converted file's size.
@@ -659,7 +660,7 @@ fn convert_round_trip_and_sparse_output() {
     );
     let v = json(p, &["info", "--output", "json", "b.pcow"]);
     assert_eq!(v["cluster-size"], 4096);
-    assert_eq!(v["allocated-clusters"], 75); // ceil(300000 / 4096) + 1
+    assert_eq!(v["format-specific"]["data"]["allocated-clusters"], 75); // ceil(300000 / 4096) + 1
     ok(p, &["convert", "-O", "raw", "b.pcow", "back2.raw"]);
     assert_eq!(
         std::fs::read(&raw).unwrap(),
@@ -675,7 +676,7 @@ fn convert_zero_clusters_are_not_allocated() {
     pattern_file(&p.join("z.raw"), 1 << 20, &[(200_000, 10, 9)]);
     ok(p, &["convert", "-O", "pcow", "z.raw", "z.pcow"]);
     let v = json(p, &["info", "--output", "json", "z.pcow"]);
-    assert_eq!(v["allocated-clusters"], 1);
+    assert_eq!(v["format-specific"]["data"]["allocated-clusters"], 1);
     ok(p, &["convert", "-O", "raw", "z.raw", "z2.raw"]);
     assert!(std::fs::metadata(p.join("z2.raw")).unwrap().blocks() * 512 < 64 << 10);
     assert_eq!(
@@ -1007,7 +1008,10 @@ fn convert_snapshots_bases_existing_targets_and_sparse_sizes() {
         ],
     );
     let v = json(p, &["info", "--output", "json", "full.pcow"]);
-    assert_eq!(v["allocated-clusters"], 256, "{v}");
+    assert_eq!(
+        v["format-specific"]["data"]["allocated-clusters"], 256,
+        "{v}"
+    );
     fails(
         p,
         &["convert", "-O", "raw", "-S", "1000", "now.raw", "x.raw"],
@@ -1025,7 +1029,10 @@ fn preallocation_on_create_and_convert() {
     let out = ok(p, &["create", "-o", "preallocation=full", "a.pcow", "4M"]);
     assert!(out.contains("preallocation=full size=4194304"), "{out}");
     let v = json(p, &["info", "--output", "json", "a.pcow"]);
-    assert_eq!(v["allocated-clusters"], 64, "{v}");
+    assert_eq!(
+        v["format-specific"]["data"]["allocated-clusters"], 64,
+        "{v}"
+    );
     assert!(on_disk("a.pcow") >= 4 << 20);
     ok(p, &["check", "a.pcow"]);
     assert_eq!(raw_view(p, "a.pcow"), vec![0u8; 4 << 20]);
@@ -1061,7 +1068,7 @@ fn preallocation_on_create_and_convert() {
         ],
     );
     let v = json(p, &["info", "--output", "json", "o.pcow"]);
-    assert_eq!(v["allocated-clusters"], 8, "{v}");
+    assert_eq!(v["format-specific"]["data"]["allocated-clusters"], 8, "{v}");
     assert_eq!(raw_view(p, "o.pcow"), raw_view(p, "b.pcow"));
     // convert: a preallocated output holding the input.
     ok(
@@ -1077,7 +1084,10 @@ fn preallocation_on_create_and_convert() {
         ],
     );
     let v = json(p, &["info", "--output", "json", "c.pcow"]);
-    assert_eq!(v["allocated-clusters"], 16, "{v}");
+    assert_eq!(
+        v["format-specific"]["data"]["allocated-clusters"], 16,
+        "{v}"
+    );
     assert_eq!(raw_view(p, "c.pcow"), raw_view(p, "b.pcow"));
     fails(
         p,
@@ -1249,12 +1259,12 @@ fn commit_into_base() {
         ],
     );
     let v = json(p, &["info", "--output", "json", "top.pcow"]);
-    assert_eq!(v["allocated-clusters"], 1);
+    assert_eq!(v["format-specific"]["data"]["allocated-clusters"], 1);
 
     ok(p, &["io", "top.pcow", "-c", "write -P 3 8k 4k"]);
     ok(p, &["commit", "top.pcow"]);
     let v = json(p, &["info", "--output", "json", "top.pcow"]);
-    assert_eq!(v["allocated-clusters"], 0);
+    assert_eq!(v["format-specific"]["data"]["allocated-clusters"], 0);
     ok(
         p,
         &[

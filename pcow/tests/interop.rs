@@ -444,3 +444,73 @@ fn map_of_raw_files_as_qemu_img_does() {
         }
     }
 }
+
+/// `info --output json` has qemu-img's shape: a raw file's object is
+/// qemu-img's, and a pcow image's has every key qemu-img gives a qcow2
+/// image with a snapshot and a base (top level, snapshot entries, and
+/// `format-specific` with `type` and `data`).
+#[test]
+fn info_json_has_qemu_imgs_shape() {
+    if !have_qemu() {
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let f = std::fs::File::create(p.join("r.raw")).unwrap();
+    f.set_len(1 << 20).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[1; 4096], 8192).unwrap();
+    let info = |tool: &str, args: &[&str]| -> serde_json::Value {
+        let mut a = vec!["info", "--output=json"];
+        a.extend_from_slice(args);
+        serde_json::from_str(&run(p, tool, &a)).unwrap()
+    };
+    assert_eq!(
+        info(PCOW_IMG, &["-f", "raw", "r.raw"]),
+        info("qemu-img", &["-f", "raw", "r.raw"]),
+        "info of a raw file"
+    );
+    qemu(
+        p,
+        &[
+            "create", "-q", "-f", "qcow2", "-b", "r.raw", "-F", "raw", "q.qcow2",
+        ],
+    );
+    qemu(p, &["snapshot", "-c", "s1", "q.qcow2"]);
+    pcow(p, &["create", "-b", "r.raw", "-F", "raw", "a.pcow"]);
+    pcow(p, &["snapshot", "-c", "s1", "a.pcow"]);
+    let (want, got) = (info("qemu-img", &["q.qcow2"]), info(PCOW_IMG, &["a.pcow"]));
+    let keys = |v: &serde_json::Value| -> Vec<String> {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    let missing = |want: &serde_json::Value, got: &serde_json::Value| -> Vec<String> {
+        let have = keys(got);
+        keys(want)
+            .into_iter()
+            .filter(|k| !have.contains(k))
+            .collect()
+    };
+    assert!(
+        missing(&want, &got).is_empty(),
+        "top level lacks {:?}: {got}",
+        missing(&want, &got)
+    );
+    let (ws, gs) = (&want["snapshots"][0], &got["snapshots"][0]);
+    assert!(
+        missing(ws, gs).is_empty(),
+        "a snapshot lacks {:?}: {gs}",
+        missing(ws, gs)
+    );
+    assert_eq!((&gs["id"], &gs["name"]), (&ws["id"], &ws["name"]));
+    assert!(missing(&want["format-specific"], &got["format-specific"]).is_empty());
+    assert_eq!(got["format-specific"]["type"], "pcow");
+    for k in [
+        "virtual-size",
+        "backing-filename",
+        "backing-filename-format",
+        "dirty-flag",
+    ] {
+        assert_eq!(got[k], want[k], "{k}");
+    }
+}

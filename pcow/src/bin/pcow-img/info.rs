@@ -25,7 +25,8 @@ fn disk_usage(file: Option<&File>, path: &Path) -> anyhow::Result<(u64, u64)> {
     Ok((md.blocks() * 512, md.len()))
 }
 
-/// The `info` object of a pcow image.
+/// The `info` object of a pcow image, in qemu-img's shape: the common
+/// fields at the top, pcow's own under `format-specific`.
 fn pcow_json(img: &Image, filename: &str) -> anyhow::Result<Value> {
     let h = img.header();
     let (actual, len) = disk_usage(img.file(), img.path())?;
@@ -33,12 +34,17 @@ fn pcow_json(img: &Image, filename: &str) -> anyhow::Result<Value> {
         .snapshots()
         .iter()
         .map(|s| {
+            // qemu-img's fields (ids as strings; no VM state, clock or
+            // instruction count in a pcow snapshot), and pcow's layer.
             json!({
-                "id": s.id,
-                "tag": s.tag,
+                "id": s.id.to_string(),
+                "name": s.tag,
                 "date-sec": s.time_sec,
                 "date-nsec": s.time_nsec,
+                "vm-clock-sec": 0,
+                "vm-clock-nsec": 0,
                 "vm-state-size": 0,
+                "icount": 0,
                 "layer": s.layer,
             })
         })
@@ -46,17 +52,10 @@ fn pcow_json(img: &Image, filename: &str) -> anyhow::Result<Value> {
     let mut m = Map::new();
     m.insert("filename".into(), json!(filename));
     m.insert("format".into(), json!("pcow"));
-    m.insert("format-version".into(), json!(pcow::format::VERSION));
     m.insert("virtual-size".into(), json!(img.virtual_size()));
     m.insert("cluster-size".into(), json!(img.cluster_size()));
-    m.insert("allocated-clusters".into(), json!(img.allocated_clusters()));
     m.insert("actual-size".into(), json!(actual));
-    m.insert("file-length".into(), json!(len));
     m.insert("dirty-flag".into(), json!(h.dirty()));
-    m.insert("generation".into(), json!(h.generation));
-    m.insert("cluster-count".into(), json!(h.cluster_count));
-    m.insert("active-layer".into(), json!(h.active_layer));
-    m.insert("layer-count".into(), json!(h.layer_count));
     m.insert("snapshots".into(), Value::Array(snaps));
     if let Some(b) = img.base_ref() {
         let resolved = pcow::resolve_base(img.path(), &b.name);
@@ -73,13 +72,25 @@ fn pcow_json(img: &Image, filename: &str) -> anyhow::Result<Value> {
         m.insert("backing-filename-format".into(), json!(fmt));
     }
     m.insert(
-        "backing-chain-depth".into(),
-        json!(img.base().map_or(0, Backing::depth)),
+        "format-specific".into(),
+        json!({
+            "type": "pcow",
+            "data": {
+                "format-version": pcow::format::VERSION,
+                "generation": h.generation,
+                "allocated-clusters": img.allocated_clusters(),
+                "cluster-count": h.cluster_count,
+                "layer-count": h.layer_count,
+                "active-layer": h.active_layer,
+                "file-length": len,
+                "backing-chain-depth": img.base().map_or(0, Backing::depth),
+            },
+        }),
     );
     Ok(Value::Object(m))
 }
 
-/// The `info` object of a raw file.
+/// The `info` object of a raw file, as qemu-img gives it.
 fn raw_json(path: &Path, file: Option<&File>) -> anyhow::Result<Value> {
     let (actual, len) = disk_usage(file, path)?;
     Ok(json!({
@@ -87,7 +98,7 @@ fn raw_json(path: &Path, file: Option<&File>) -> anyhow::Result<Value> {
         "format": "raw",
         "virtual-size": len,
         "actual-size": actual,
-        "file-length": len,
+        "dirty-flag": false,
     }))
 }
 
