@@ -7,7 +7,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use common::{fails, ok, run_in, tmp, BIN};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 fn json(dir: &Path, args: &[&str]) -> Value {
     let s = ok(dir, args);
@@ -346,11 +346,17 @@ fn check_exit_codes() {
     ok(p, &["io", "a.pcow", "-c", "write 0 16k"]);
     let out = ok(p, &["check", "a.pcow"]);
     assert!(out.contains("No errors were found on the image."), "{out}");
+    // qemu-img's ImageCheck: counts only when non-zero.
     let v = json(p, &["check", "--output", "json", "a.pcow"]);
-    assert_eq!(v["corruptions"], serde_json::json!([]));
-    assert_eq!(v["leaks"], serde_json::json!([]));
+    assert_eq!(v["format"], "pcow");
+    assert!(
+        v.get("corruptions").is_none() && v.get("leaks").is_none(),
+        "{v}"
+    );
+    assert_eq!(v["findings"], serde_json::json!([]));
     assert_eq!(v["check-errors"], 0);
-    assert_eq!(v["allocated_clusters"], 4);
+    assert_eq!(v["allocated-clusters"], 4);
+    assert_eq!(v["total-clusters"], 256);
 
     // Leak: a cluster of zeros past the committed end (L1).
     let img = p.join("a.pcow");
@@ -369,8 +375,10 @@ fn check_exit_codes() {
     let r = run_in(p, &["check", "--output", "json", "a.pcow"]);
     assert_eq!(r.code, 3);
     let v: Value = serde_json::from_str(&r.stdout).unwrap();
-    assert_eq!(v["leaks"][0]["rule"], "L1");
-    assert_eq!(v["leaks"][0]["repaired"], false);
+    assert_eq!(v["leaks"], 1, "{v}");
+    assert_eq!(v["findings"][0]["rule"], "L1");
+    assert_eq!(v["findings"][0]["kind"], "leak");
+    assert_eq!(v["findings"][0]["repaired"], false);
 
     // Repair the leak: exit 0, and clean afterwards.
     let out = ok(p, &["check", "-r", "leaks", "a.pcow"]);
@@ -392,8 +400,13 @@ fn check_exit_codes() {
     let r = run_in(p, &["check", "--output", "json", "a.pcow"]);
     assert_eq!(r.code, 2);
     let v: Value = serde_json::from_str(&r.stdout).unwrap();
-    assert_eq!(v["corruptions"][0]["rule"], "R6");
-    assert_eq!(v["check-errors"], 1);
+    assert_eq!(v["findings"][0]["rule"], "R6");
+    assert_eq!(v["findings"][0]["kind"], "corruption");
+    assert_eq!(
+        (&v["corruptions"], &v["check-errors"]),
+        (&json!(1), &json!(0)),
+        "{v}"
+    );
     // Repairs do not touch a corrupt image.
     assert_eq!(run_in(p, &["check", "-r", "all", "a.pcow"]).code, 2);
 }
@@ -1131,7 +1144,9 @@ fn a_closed_stdout_ends_pcow_img_without_a_panic() {
     args.push("a.pcow");
     ok(p, &args);
     let mut child = std::process::Command::new(BIN)
-        .args(["map", "a.pcow"])
+        // JSON: some 300 KB, which the pipe (64 KiB) cannot take without a
+        // reader.
+        .args(["map", "--output", "json", "a.pcow"])
         .current_dir(p)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

@@ -448,7 +448,7 @@ fn map_of_raw_files_as_qemu_img_does() {
 /// `info --output json` has qemu-img's shape: a raw file's object is
 /// qemu-img's, and a pcow image's has every key qemu-img gives a qcow2
 /// image with a snapshot and a base (top level, snapshot entries, and
-/// `format-specific` with `type` and `data`).
+/// `format-specific` with `type` and `data`). So has `check`'s.
 #[test]
 fn info_json_has_qemu_imgs_shape() {
     if !have_qemu() {

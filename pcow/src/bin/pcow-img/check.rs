@@ -58,11 +58,7 @@ fn human(r: &CheckReport) -> String {
     if !leaks.is_empty() {
         // L1 names its cluster count; stale slots and the DIRTY flag leak
         // no cluster.
-        let clusters = if leaks.iter().any(|f| f.rule == "L1") {
-            r.leaked_clusters
-        } else {
-            0
-        };
+        let clusters = leak_count(r, leaks.iter().copied().filter(|f| f.rule == "L1"));
         let other = leaks.iter().filter(|f| f.rule != "L1").count();
         let _ = writeln!(s);
         if clusters > 0 {
@@ -88,6 +84,57 @@ fn human(r: &CheckReport) -> String {
     s
 }
 
+/// Leaks counted as qemu-img counts them: the clusters of L1, and one for
+/// each other leak (a stale slot, the DIRTY flag).
+fn leak_count<'a>(r: &CheckReport, leaks: impl Iterator<Item = &'a Finding>) -> u64 {
+    leaks
+        .map(|f| if f.rule == "L1" { r.leaked_clusters } else { 1 })
+        .sum()
+}
+
+/// qemu-img's `ImageCheck` object (counts present only when non-zero, and
+/// `check-errors` for failures of the check itself, which are an exit 1
+/// here instead), with pcow's unreachable clusters and every finding.
+fn json_report(r: &CheckReport) -> Value {
+    let count = |found: &[Finding], repaired: bool| {
+        found.iter().filter(|f| f.repaired == repaired).count() as u64
+    };
+    let mut m = serde_json::Map::new();
+    m.insert("filename".into(), json!(r.filename));
+    m.insert("format".into(), json!("pcow"));
+    m.insert("check-errors".into(), json!(0));
+    let counts = [
+        ("corruptions", count(&r.corruptions, false)),
+        ("corruptions-fixed", count(&r.corruptions, true)),
+        (
+            "leaks",
+            leak_count(r, r.leaks.iter().filter(|f| !f.repaired)),
+        ),
+        (
+            "leaks-fixed",
+            leak_count(r, r.leaks.iter().filter(|f| f.repaired)),
+        ),
+    ];
+    for (k, n) in counts.into_iter().filter(|&(_, n)| n > 0) {
+        m.insert(k.into(), json!(n));
+    }
+    m.insert("image-end-offset".into(), json!(r.image_end_offset));
+    m.insert("total-clusters".into(), json!(r.total_clusters));
+    m.insert("allocated-clusters".into(), json!(r.allocated_clusters));
+    m.insert("unreachable-clusters".into(), json!(r.unreachable_clusters));
+    let findings: Vec<Value> = r
+        .corruptions
+        .iter()
+        .map(|f| (f, "corruption"))
+        .chain(r.leaks.iter().map(|f| (f, "leak")))
+        .map(|(f, kind)| {
+            json!({"rule": f.rule, "kind": kind, "message": f.message, "repaired": f.repaired})
+        })
+        .collect();
+    m.insert("findings".into(), Value::Array(findings));
+    Value::Object(m)
+}
+
 pub fn check(a: CheckArgs) -> anyhow::Result<u8> {
     if a.format == Some(crate::Fmt::Raw) {
         bail!("a raw image has no metadata to check (check is for pcow images)");
@@ -99,15 +146,7 @@ pub fn check(a: CheckArgs) -> anyhow::Result<u8> {
     let report = pcow::check::check(&a.file, repair, a.force_share)?;
     let code = report.exit_code();
     match a.output {
-        OutputFormat::Json => {
-            let mut v = serde_json::to_value(&report)?;
-            if let Value::Object(m) = &mut v {
-                let errors = report.corruptions.iter().filter(|f| !f.repaired).count();
-                m.insert("check-errors".into(), json!(errors));
-                m.insert("exit-code".into(), json!(code));
-            }
-            print_json(&v)?;
-        }
+        OutputFormat::Json => print_json(&json_report(&report))?,
         OutputFormat::Human => print!("{}", human(&report)),
     }
     Ok(u8::try_from(code).unwrap_or(1))
