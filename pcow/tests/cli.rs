@@ -83,6 +83,21 @@ fn info_human() {
     let out = ok(d.path(), &["info", "a.pcow"]);
     assert!(out.contains("Snapshot list:\nID        TAG"), "{out}");
     assert!(out.contains("1         first"), "{out}");
+    // The format-specific block, as the JSON has it.
+    ok(d.path(), &["io", "-c", "write 0 4k", "a.pcow"]);
+    let out = ok(d.path(), &["info", "a.pcow"]);
+    let v = json(d.path(), &["info", "--output", "json", "a.pcow"]);
+    let data = &v["format-specific"]["data"];
+    for line in [
+        "    format version: 1\n".to_string(),
+        format!("    generation: {}\n", data["generation"]),
+        "    allocated clusters: 1\n".to_string(),
+        "    layers: 2 (active: 1)\n".to_string(),
+        format!("    file length: {}\n", data["file-length"]),
+    ] {
+        assert!(out.contains(&line), "{line:?} in {out}");
+    }
+    assert!(data["generation"].as_u64().unwrap() > 1, "{v}");
 }
 
 #[test]

@@ -137,13 +137,16 @@ pub fn snapshot_table(snaps: &[pcow::SnapshotInfo]) -> String {
     );
     s = s.trim_end().to_owned();
     for sn in snaps {
+        // No VM state, clock or instruction count: zeros, as qemu-img
+        // shows a snapshot it took of an image offline.
         let row = format!(
-            "{:<9} {:<16} {:>8}{:>20}{:>13}",
+            "{:<9} {:<16} {:>8}{:>20}{:>13} {:>10}",
             sn.id,
             sn.tag,
             human_size(0),
             date(sn.time_sec),
-            "00:00:00.000"
+            "00:00:00.000",
+            0
         );
         s.push('\n');
         s.push_str(row.trim_end());
@@ -181,8 +184,9 @@ fn human(v: &Value, snaps: &[pcow::SnapshotInfo]) -> String {
         let _ = writeln!(s, "{}", snapshot_table(snaps));
     }
     let _ = writeln!(s, "Format specific information:");
-    let _ = writeln!(s, "    format version: {}", get_u64(v, "format-version"));
-    let _ = writeln!(s, "    generation: {}", get_u64(v, "generation"));
+    let d = &v["format-specific"]["data"];
+    let _ = writeln!(s, "    format version: {}", get_u64(d, "format-version"));
+    let _ = writeln!(s, "    generation: {}", get_u64(d, "generation"));
     let dirty = v
         .get("dirty-flag")
         .and_then(Value::as_bool)
@@ -191,15 +195,15 @@ fn human(v: &Value, snaps: &[pcow::SnapshotInfo]) -> String {
     let _ = writeln!(
         s,
         "    allocated clusters: {}",
-        get_u64(v, "allocated-clusters")
+        get_u64(d, "allocated-clusters")
     );
     let _ = writeln!(
         s,
         "    layers: {} (active: {})",
-        get_u64(v, "layer-count"),
-        get_u64(v, "active-layer")
+        get_u64(d, "layer-count"),
+        get_u64(d, "active-layer")
     );
-    let _ = writeln!(s, "    file length: {}", get_u64(v, "file-length"));
+    let _ = writeln!(s, "    file length: {}", get_u64(d, "file-length"));
     s
 }
 
