@@ -49,6 +49,10 @@
 #                     (every 8th page of a file); reads count nothing;
 #                     rewrites of already private pages are found again;
 #                     check clean, read back on the next boot and on the host
+#  13 preallocated    L1 converts the ext4 image with pcow-img convert -o
+#                     preallocation=falloc; the guest writes and reads its
+#                     files as in 1: the VMM reports no fault on either boot,
+#                     check clean, the file holds the whole virtual size
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
@@ -57,7 +61,7 @@
 #     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12" (a subset runs only those; 9-12
+#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12 13" (a subset runs only those; 9-13
 #     need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
 #   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
 #   VMMSC_S7_REBOOTS (scenario 7 runs each reboot variant this many times,
@@ -97,7 +101,7 @@ VMM=${VMMSC_VMM:-ch}
 if [ "$VMM" = qemu ]; then
     SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
 else
-    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11 12}
+    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11 12 13}
 fi
 SIZE=$((64 * 1048576))  # the images' virtual size
 SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
@@ -105,7 +109,7 @@ SIZE8=$((32 * 1048576)) # scenario 8's raw (second) device
 S10_BYTES=$((24 * 1048576)) # scenario 10's file (more than its tmpfs holds)
 S12_BYTES=$((8 * 1048576))  # scenario 12's file (2048 pages)
 case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
-declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign [12]=write-tracking)
+declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign [12]=write-tracking [13]=preallocated)
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 
 # File contents, as vmm-guest.sh generates them (yes dies of SIGPIPE).
@@ -273,6 +277,7 @@ EOF
             10) mkimg s10 ;;
             11) mkimg s11 ;;
             12) mkimg s12 ;;
+            13) mkimg s13 ;;
         esac
     done
     t_build=$(elapsed "$t")
@@ -536,6 +541,21 @@ host12() {
         dd if="$flat/s12-c" of="$flat/s12-expected" bs=4096 count=1 skip=$k seek=$k conv=notrunc status=none
     done
     cmp -s <(dcat "$flat/s12.raw" /t.bin) "$flat/s12-expected" || hfail "s12:/t.bin is not A with every 8th page from C"
+    [ -z "$hwhy" ]
+}
+
+# Scenario 13: the preallocated image, clean, every cluster allocated, the
+# files of scenario 1.
+host13() {
+    pcheck s13p 0 && flatten s13p || return 1
+    local alloc want
+    alloc=$("$PCOW_IMG" info --output json "$out/s13p.pcow" | tr -d ' \n' | sed -n 's/.*"allocated-clusters":\([0-9]*\).*/\1/p')
+    want=$((SIZE / 65536))
+    [ "$alloc" = "$want" ] || hfail "s13p.pcow holds ${alloc:-?} clusters, expected all $want"
+    fsck_ok s13p
+    local i
+    for i in 1 7 24; do fsame "$flat/s13p.raw" "/d$((i % 4))/f$i" "s1 file $i" $((i * 5000 + 123)); done
+    fsame "$flat/s13p.raw" /big.bin "s1 big" 3145728
     [ -z "$hwhy" ]
 }
 

@@ -636,7 +636,25 @@ impl Machine {
         let mut failed = 0;
         for p in &self.pmem {
             match p.backend.barrier() {
-                Ok(Some(s)) => log::info!("pmem {}: final barrier: {s:?}", p.id),
+                Ok(Some(s)) => {
+                    log::info!("pmem {}: final barrier: {s:?}", p.id);
+                    // What the guest's accesses cost over the whole run:
+                    // faults the monitor resolved, and how the clusters are
+                    // mapped at the end.
+                    if let Some(Ok(st)) = p.pcow().map(PcowRegion::status) {
+                        log::info!(
+                            "pmem {}: faults: {} write, {} read, {} woken only; clusters: {} shared, {} private, {} zero-mapped, {} holes",
+                            p.id,
+                            st.faults.write_faults,
+                            st.faults.read_faults,
+                            st.faults.wake_only,
+                            st.shared,
+                            st.private,
+                            st.zero_mapped,
+                            st.holes
+                        );
+                    }
+                }
                 Ok(None) => log::info!("pmem {}: final fsync", p.id),
                 Err(e) => {
                     log::error!("pmem {}: final barrier failed: {e}", p.id);
