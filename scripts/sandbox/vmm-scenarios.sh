@@ -51,8 +51,10 @@
 #                     check clean, read back on the next boot and on the host
 #  13 preallocated    L1 converts the ext4 image with pcow-img convert -o
 #                     preallocation=falloc; the guest writes and reads its
-#                     files as in 1: the VMM reports no fault on either boot,
-#                     check clean, the file holds the whole virtual size
+#                     files as in 1: the VMM reports no fault on either boot
+#                     (and write faults for the same writes into a copy of
+#                     the thin image), check clean, the file holds the whole
+#                     virtual size
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
