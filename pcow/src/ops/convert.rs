@@ -146,8 +146,10 @@ impl ConvertReport {
 }
 
 /// The unit read and compared at a time (at least a cluster and the
-/// sparse size).
-const CHUNK: u64 = 1 << 20;
+/// sparse size). Small enough that what was read is still in the cache
+/// when it is compared and written: 1 MiB chunks made a conversion half
+/// again as slow.
+const CHUNK: u64 = 64 << 10;
 
 /// The virtual size of a pcow image holding `input_size` bytes: rounded up
 /// to the cluster size.
@@ -486,8 +488,13 @@ impl Plan {
             while c * chunk < end {
                 let (cs, ce) = (c * chunk, ((c + 1) * chunk).min(self.size));
                 let n = (ce - cs) as usize;
-                walk_src.read(cs, &mut sbuf[..n], &mut |b, o| src.read_at(b, o))?;
-                walk_out.read(cs, &mut obuf[..n], &mut |b, o| target.read_at(b, o))?;
+                if !walk_src.read(cs, &mut sbuf[..n], &mut |b, o| src.read_at(b, o))? {
+                    sbuf[..n].fill(0);
+                }
+                // Where the output holds nothing here, it shows zeros.
+                let shown = walk_out
+                    .read(cs, &mut obuf[..n], &mut |b, o| target.read_at(b, o))?
+                    .then_some(&obuf[..n]);
                 // Pages outside every candidate show the input already.
                 let mut inside = vec![false; n.div_ceil(PAGE_SIZE as usize)];
                 for &(s, e) in &self.candidates[i..] {
@@ -501,7 +508,7 @@ impl Plan {
                         inside[first..=last].fill(true);
                     }
                 }
-                self.decide(&sbuf[..n], &obuf[..n], &inside, &mut actions);
+                self.decide(&sbuf[..n], shown, &inside, &mut actions);
                 let mut p = 0;
                 while p < actions.len() {
                     let a = actions[p];
@@ -526,24 +533,31 @@ impl Plan {
     }
 
     /// One action per page of `input` (the last page may be partial), given
-    /// what the output shows there; pages not `inside` a candidate range
-    /// (whose bytes were not read) are skipped.
-    fn decide(&self, input: &[u8], shown: &[u8], inside: &[bool], actions: &mut Vec<Action>) {
+    /// what the output shows there (`None`: zeros); pages not `inside` a
+    /// candidate range (whose bytes were not read) are skipped.
+    fn decide(
+        &self,
+        input: &[u8],
+        shown: Option<&[u8]>,
+        inside: &[bool],
+        actions: &mut Vec<Action>,
+    ) {
         actions.clear();
         // Pages where both read as zeros: sparse unless `-S` asks for them.
         let mut both_zero = Vec::with_capacity(inside.len());
-        for ((i, o), &inside) in input
-            .chunks(PAGE_SIZE as usize)
-            .zip(shown.chunks(PAGE_SIZE as usize))
-            .zip(inside)
-        {
+        let page = PAGE_SIZE as usize;
+        for (k, (i, &inside)) in input.chunks(page).zip(inside).enumerate() {
             if !inside {
                 actions.push(Action::Skip);
                 both_zero.push(false);
                 continue;
             }
             let zero = is_zero(i);
-            let a = if i != o {
+            let differs = match shown {
+                Some(o) => i != &o[k * page..k * page + i.len()],
+                None => !zero,
+            };
+            let a = if differs {
                 if zero {
                     Action::Zero
                 } else {
@@ -555,7 +569,7 @@ impl Plan {
                 Action::Skip
             };
             actions.push(a);
-            both_zero.push(zero && i == o);
+            both_zero.push(zero && !differs);
         }
         if self.sparse_size <= PAGE_SIZE {
             return;
@@ -590,25 +604,33 @@ impl<'a> RangeReader<'a> {
         RangeReader { ranges, next: 0 }
     }
 
+    /// Fills `buf` (the bytes at `at`) and returns true, or returns false
+    /// without touching it when no range reaches into it (all zeros).
     fn read(
         &mut self,
         at: u64,
         buf: &mut [u8],
         read: &mut dyn FnMut(&mut [u8], u64) -> Result<()>,
-    ) -> Result<()> {
-        buf.fill(0);
+    ) -> Result<bool> {
         let end = at + buf.len() as u64;
         while self.next < self.ranges.len() && self.ranges[self.next].1 <= at {
             self.next += 1;
         }
+        let mut done = 0usize;
         for &(s, e) in &self.ranges[self.next..] {
             if s >= end {
                 break;
             }
-            let (s, e) = (s.max(at), e.min(end));
-            read(&mut buf[(s - at) as usize..(e - at) as usize], s)?;
+            let (s, e) = ((s.max(at) - at) as usize, (e.min(end) - at) as usize);
+            buf[done..s].fill(0);
+            read(&mut buf[s..e], at + s as u64)?;
+            done = e;
         }
-        Ok(())
+        if done == 0 {
+            return Ok(false);
+        }
+        buf[done..].fill(0);
+        Ok(true)
     }
 }
 
