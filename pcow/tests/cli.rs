@@ -1144,6 +1144,54 @@ fn preallocation_on_create_and_convert() {
 }
 
 #[test]
+fn quiet_and_format_flags_as_qemu_img_takes_them() {
+    let d = tmp();
+    let p = d.path();
+    // -q: nothing on stdout for success.
+    for args in [
+        &["create", "-q", "-c", "4k", "a.pcow", "1M"][..],
+        &["create", "-q", "-f", "raw", "r.raw", "1M"],
+        &["io", "-c", "write -P 1 0 4k", "a.pcow"],
+        &["snapshot", "-q", "-f", "pcow", "-c", "s1", "a.pcow"],
+        &["check", "-q", "a.pcow"],
+        &["create", "-q", "-b", "a.pcow", "o.pcow"],
+        &["commit", "-q", "-f", "pcow", "-d", "o.pcow"],
+        &["rebase", "-q", "-f", "pcow", "-u", "-b", "a.pcow", "o.pcow"],
+        &["resize", "-q", "-f", "pcow", "a.pcow", "2M"],
+        &["compact", "-q", "-f", "pcow", "a.pcow"],
+        &["rollback", "-q", "a.pcow", "s1"],
+        &["resize", "-q", "r.raw", "+1M"],
+    ] {
+        let out = ok(p, args);
+        if args.contains(&"-q") {
+            assert_eq!(out, "", "{args:?}");
+        }
+    }
+    // -l still lists under -q, as qemu-img's does.
+    assert!(ok(p, &["snapshot", "-q", "-l", "a.pcow"]).contains("s1"));
+    // check -q: the verdict is the exit code alone.
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(p.join("a.pcow"))
+        .unwrap()
+        .set_len(file_len(&p.join("a.pcow")) + 4096)
+        .unwrap();
+    let r = run_in(p, &["check", "-q", "a.pcow"]);
+    assert_eq!((r.code, r.stdout.as_str()), (3, ""), "{}", r.stderr);
+    // A raw file grows (a hole), as qemu-img resize does; it never shrinks.
+    assert_eq!(file_len(&p.join("r.raw")), 2 << 20);
+    ok(p, &["resize", "-f", "raw", "r.raw", "3M"]);
+    assert_eq!(file_len(&p.join("r.raw")), 3 << 20);
+    fails(p, &["resize", "r.raw", "1M"], "shrinking");
+    assert_eq!(file_len(&p.join("r.raw")), 3 << 20);
+    // -f raw where only a pcow image makes sense.
+    fails(p, &["snapshot", "-f", "raw", "-l", "r.raw"], "no snapshots");
+    fails(p, &["commit", "-f", "raw", "r.raw"], "no base");
+    fails(p, &["rebase", "-f", "raw", "-b", "", "r.raw"], "no base");
+    fails(p, &["compact", "-f", "raw", "r.raw"], "compact is for pcow");
+}
+
+#[test]
 fn a_closed_stdout_ends_pcow_img_without_a_panic() {
     let d = tmp();
     let p = d.path();

@@ -146,6 +146,7 @@ pub fn check(a: CheckArgs) -> anyhow::Result<u8> {
     let report = pcow::check::check(&a.file, repair, a.force_share)?;
     let code = report.exit_code();
     match a.output {
+        _ if a.quiet => {}
         OutputFormat::Json => print_json(&json_report(&report))?,
         OutputFormat::Human => print!("{}", human(&report)),
     }

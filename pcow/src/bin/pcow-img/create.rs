@@ -232,7 +232,7 @@ pub fn create(a: CreateArgs) -> anyhow::Result<u8> {
         if cluster.is_some() {
             bail!("a raw image has no cluster size (-c or -o cluster_size is for pcow)");
         }
-        return create_raw(&file, size.as_deref(), prealloc);
+        return create_raw(&file, size.as_deref(), prealloc, a.quiet);
     }
     let cluster = cluster_size(cluster.as_deref())?;
     let cs = cluster.unwrap_or(DEFAULT_CLUSTER_SIZE);
@@ -274,12 +274,19 @@ pub fn create(a: CreateArgs) -> anyhow::Result<u8> {
             b.format.name()
         ));
     }
-    println!("{line}");
+    if !a.quiet {
+        println!("{line}");
+    }
     Ok(0)
 }
 
 /// `create -f raw`: a sparse file of `size` bytes (replacing `path`).
-fn create_raw(path: &Path, size: Option<&str>, prealloc: Preallocation) -> anyhow::Result<u8> {
+fn create_raw(
+    path: &Path,
+    size: Option<&str>,
+    prealloc: Preallocation,
+    quiet: bool,
+) -> anyhow::Result<u8> {
     let Some(s) = size else {
         bail!("a size is needed for a raw image");
     };
@@ -294,11 +301,13 @@ fn create_raw(path: &Path, size: Option<&str>, prealloc: Preallocation) -> anyho
     }
     f.sync_all()
         .with_context(|| format!("{}: syncing", path.display()))?;
-    println!(
-        "Formatting '{}', fmt=raw size={n}{}",
-        path.display(),
-        prealloc_note(prealloc)
-    );
+    if !quiet {
+        println!(
+            "Formatting '{}', fmt=raw size={n}{}",
+            path.display(),
+            prealloc_note(prealloc)
+        );
+    }
     Ok(0)
 }
 

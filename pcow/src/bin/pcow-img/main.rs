@@ -99,6 +99,9 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct CreateArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
     /// Format of the new image: pcow (default), or raw (a sparse file of
     /// SIZE bytes).
     #[arg(short = 'f', value_name = "FMT")]
@@ -151,6 +154,9 @@ pub enum RepairArg {
 
 #[derive(Debug, Args)]
 struct CheckArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
     /// Format of the image (probed when absent), as qemu-img's -f.
     #[arg(short = 'f', value_name = "FMT")]
     format: Option<Fmt>,
@@ -170,6 +176,13 @@ struct CheckArgs {
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("op").required(true).args(["create", "list", "apply", "delete"])))]
 struct SnapshotArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Format of the image: pcow (as qemu-img's -f; raw has no snapshots
+    /// or base).
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
     /// Create a snapshot tagged TAG.
     #[arg(short = 'c', value_name = "TAG")]
     create: Option<String>,
@@ -191,6 +204,9 @@ struct SnapshotArgs {
 
 #[derive(Debug, Args)]
 struct RollbackArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
     /// The image.
     file: PathBuf,
     /// Snapshot id or tag.
@@ -199,6 +215,13 @@ struct RollbackArgs {
 
 #[derive(Debug, Args)]
 struct CommitArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Format of the image: pcow (as qemu-img's -f; raw has no snapshots
+    /// or base).
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
     /// Keep the overlay's content (do not empty it).
     #[arg(short = 'd')]
     keep: bool,
@@ -208,6 +231,13 @@ struct CommitArgs {
 
 #[derive(Debug, Args)]
 struct RebaseArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Format of the image: pcow (as qemu-img's -f; raw has no snapshots
+    /// or base).
+    #[arg(short = 'f', value_name = "FMT")]
+    image_format: Option<Fmt>,
     /// Unsafe: only change the base name, copy nothing.
     #[arg(short = 'u')]
     unsafe_: bool,
@@ -356,6 +386,13 @@ struct MeasureArgs {
 
 #[derive(Debug, Args)]
 struct ResizeArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Format of the image (probed when absent): pcow, or raw (the file
+    /// grows).
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
     /// The image.
     file: PathBuf,
     /// New size, or +SIZE to grow by SIZE.
@@ -365,6 +402,13 @@ struct ResizeArgs {
 
 #[derive(Debug, Args)]
 struct CompactArgs {
+    /// Quiet: print nothing on success.
+    #[arg(short = 'q')]
+    quiet: bool,
+    /// Format of the image: pcow (as qemu-img's -f; raw has no snapshots
+    /// or base).
+    #[arg(short = 'f', value_name = "FMT")]
+    format: Option<Fmt>,
     /// The image.
     file: PathBuf,
 }

@@ -7,6 +7,10 @@ use crate::info::snapshot_table;
 use crate::{RollbackArgs, SnapshotArgs};
 
 pub fn snapshot(a: SnapshotArgs) -> anyhow::Result<u8> {
+    crate::maint::pcow_only(a.format, "snapshot", "snapshots")?;
+    // -q: the operations print nothing anyway, and -l lists all the same
+    // (as qemu-img's does).
+    let _ = a.quiet;
     if a.list {
         let img = Image::open(
             &a.file,
@@ -38,6 +42,7 @@ pub fn snapshot(a: SnapshotArgs) -> anyhow::Result<u8> {
 }
 
 pub fn rollback(a: RollbackArgs) -> anyhow::Result<u8> {
+    let _ = a.quiet;
     let mut img = Image::open(&a.file, OpenOptions::read_write())?;
     img.snapshot_apply(&a.snap)?;
     img.close()?;
