@@ -1192,6 +1192,45 @@ fn quiet_and_format_flags_as_qemu_img_takes_them() {
 }
 
 #[test]
+fn commit_into_a_base_further_down_the_chain() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-q", "-c", "4k", "base.pcow", "1M"]);
+    ok(p, &["io", "-c", "write -P 1 0 64k", "base.pcow"]);
+    ok(
+        p,
+        &["create", "-q", "-c", "4k", "-b", "base.pcow", "mid.pcow"],
+    );
+    ok(p, &["io", "-c", "write -P 2 8k 4k", "mid.pcow"]);
+    ok(
+        p,
+        &["create", "-q", "-c", "4k", "-b", "mid.pcow", "top.pcow"],
+    );
+    ok(p, &["io", "-c", "write -P 3 100k 4k", "top.pcow"]);
+    let top = raw_view(p, "top.pcow");
+    let out = ok(p, &["commit", "-b", "base.pcow", "top.pcow"]);
+    assert!(
+        out.starts_with("Image committed: 8192 bytes copied into "),
+        "{out}"
+    );
+    assert_eq!(raw_view(p, "base.pcow"), top);
+    assert_eq!(raw_view(p, "top.pcow"), top);
+    let v = json(p, &["info", "--output", "json", "top.pcow"]);
+    assert_eq!(
+        v["format-specific"]["data"]["allocated-clusters"], 1,
+        "kept: {v}"
+    );
+    ok(p, &["check", "base.pcow"]);
+    ok(p, &["create", "-q", "other.pcow", "1M"]);
+    fails(
+        p,
+        &["commit", "-b", "other.pcow", "top.pcow"],
+        "is not a base image of",
+    );
+    fails(p, &["commit", "-b", "nope.pcow", "top.pcow"], "nope.pcow");
+}
+
+#[test]
 fn a_closed_stdout_ends_pcow_img_without_a_panic() {
     let d = tmp();
     let p = d.path();

@@ -586,3 +586,62 @@ fn preallocation_allocates_every_cluster_that_reads_as_zeros() {
     assert!(e.to_string().contains("SIGBUS"), "{e}");
     assert!("sparse".parse::<Preallocation>().is_err());
 }
+
+#[test]
+fn commit_into_a_deeper_base_makes_it_show_the_top_and_keeps_the_top() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |n: &str| d.path().join(n);
+    let cs = 4096;
+    // raw <- base.pcow <- mid.pcow (smaller: it hides base data past its
+    // end) <- top.pcow (the full size again).
+    std::fs::write(p("r.raw"), vec![9u8; 256 << 10]).unwrap();
+    let mut b = create(&p("base.pcow"), 256 << 10, cs, Some("r.raw"));
+    b.write_at(&[1u8; 8192], 0).unwrap();
+    b.write_at(&[1u8; 4096], 200 << 10).unwrap();
+    b.close().unwrap();
+    let mut m = create(&p("mid.pcow"), 128 << 10, cs, Some("base.pcow"));
+    m.write_at(&[2u8; 4096], 4096).unwrap();
+    m.write_at(&[2u8; 4096], 64 << 10).unwrap();
+    m.close().unwrap();
+    let mut t = create(&p("top.pcow"), 256 << 10, cs, Some("mid.pcow"));
+    t.write_at(&[3u8; 100], 64 << 10).unwrap();
+    t.write_at(&[3u8; 4096], 240 << 10).unwrap();
+    t.close().unwrap();
+    let top_view = read_all(&p("top.pcow"));
+    // mid's size cuts the base: the top reads zeros past 128 KiB where it
+    // holds nothing, not the base's 1s at 200 KiB or the raw's 9s.
+    assert_eq!(top_view[200 << 10], 0);
+    assert_eq!(top_view[(128 << 10) + 5], 0);
+    let r = pcow::ops::commit_into(&p("top.pcow"), &p("base.pcow")).unwrap();
+    assert!(!r.emptied);
+    assert_eq!(r.base, p("base.pcow"));
+    assert_eq!(
+        read_all(&p("base.pcow")),
+        top_view,
+        "the base shows the top"
+    );
+    assert_eq!(read_all(&p("top.pcow")), top_view, "the top is unchanged");
+    let top = Image::open(p("top.pcow"), OpenOptions::read_only()).unwrap();
+    assert_eq!(top.allocated_clusters(), 2, "the top keeps its clusters");
+    drop(top);
+    for f in ["top.pcow", "mid.pcow", "base.pcow"] {
+        clean(&p(f));
+    }
+    // Into the raw file at the bottom, through two pcow images.
+    let r = pcow::ops::commit_into(&p("top.pcow"), &p("r.raw")).unwrap();
+    assert_eq!(r.base, p("r.raw"));
+    assert_eq!(std::fs::read(p("r.raw")).unwrap(), top_view);
+    // Not a base of the image: the image itself, an unrelated file, a
+    // missing one.
+    std::fs::write(p("other.raw"), [0u8; 4096]).unwrap();
+    for bad in ["top.pcow", "other.raw"] {
+        let e = pcow::ops::commit_into(&p("top.pcow"), &p(bad)).unwrap_err();
+        assert!(
+            e.to_string().contains("is not a base image of"),
+            "{bad}: {e}"
+        );
+    }
+    let e = pcow::ops::commit_into(&p("top.pcow"), &p("missing.pcow")).unwrap_err();
+    assert!(e.to_string().contains("missing.pcow"), "{e}");
+    assert_eq!(std::fs::read(p("other.raw")).unwrap(), vec![0u8; 4096]);
+}

@@ -2,10 +2,13 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::chain::{open_base_writable, Backing};
+use std::os::unix::fs::MetadataExt;
+
+use crate::chain::{open_base_writable, resolve_base, Backing};
 use crate::error::{Error, Result};
-use crate::format::PAGE_SIZE;
-use crate::image::{Image, OpenOptions};
+use crate::format::{MAX_CHAIN_DEPTH, PAGE_SIZE};
+use crate::image::{io_err, is_pcow, Image, OpenOptions};
+use crate::ops::convert::is_zero;
 
 /// What a commit did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -69,6 +72,103 @@ pub fn commit(path: &Path, keep_overlay: bool) -> Result<CommitReport> {
         bytes_copied: copied,
         emptied,
     })
+}
+
+/// Commits the overlay at `path` into `base`, an image anywhere in its
+/// chain (qemu-img's `commit -b`): afterwards `base` shows what the overlay
+/// shows. The overlay is kept as it is (as qemu-img keeps it when `-b` is
+/// given); images between the two now read the base's new content where
+/// they hold nothing themselves.
+pub fn commit_into(path: &Path, base: &Path) -> Result<CommitReport> {
+    let not_in_chain = || {
+        Error::Invalid(format!(
+            "{} is not a base image of {}",
+            base.display(),
+            path.display()
+        ))
+    };
+    let target = std::fs::metadata(base).map_err(io_err(base, "opening the base image"))?;
+    let same = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
+    };
+    if same(path) {
+        return Err(not_in_chain());
+    }
+    // The images above the base, top first, each opened without its own
+    // base (the base is opened once, for writing).
+    let above = OpenOptions {
+        skip_base: true,
+        ..OpenOptions::read_only()
+    };
+    let mut levels = vec![Image::open(path, above)?];
+    let base_ref = loop {
+        let Some(level) = levels.last() else {
+            return Err(not_in_chain());
+        };
+        let Some(r) = level.base_ref().cloned() else {
+            return Err(not_in_chain());
+        };
+        let next = resolve_base(level.path(), &r.name);
+        if same(&next) {
+            break r;
+        }
+        if levels.len() >= MAX_CHAIN_DEPTH || !is_pcow_file(&next) {
+            return Err(not_in_chain());
+        }
+        levels.push(Image::open(&next, above)?);
+    };
+    let last = levels.last().map_or(path, |l| l.path()).to_owned();
+    let mut target = open_base_writable(&last, &base_ref)?;
+    let vs = levels[0].virtual_size();
+    if target.size() < vs {
+        match &mut target {
+            Backing::Pcow(b) => {
+                let size = vs.next_multiple_of(b.cluster_size());
+                b.grow(size)?;
+            }
+            Backing::Raw(r) => r.set_len(vs)?,
+        }
+    }
+    // Deepest first, so that each image's pages overwrite those below it.
+    // Past an image's size everything above it reads zeros where it holds
+    // nothing: those zeros go into the base first.
+    let mut copied = 0u64;
+    let mut chunk = vec![0u8; 1 << 20];
+    for level in levels.iter().rev() {
+        let end = vs.min(target.size());
+        let mut off = level.virtual_size();
+        while off < end {
+            let n = (end - off).min(chunk.len() as u64) as usize;
+            target.read_at(&mut chunk[..n], off)?;
+            if !is_zero(&chunk[..n]) {
+                chunk[..n].fill(0);
+                target.write_at(&chunk[..n], off)?;
+                copied += n as u64;
+            }
+            off += n as u64;
+        }
+        let cs = level.cluster_size();
+        let mut buf = vec![0u8; cs as usize];
+        let active = level.active_layer();
+        for vcn in held_vcns(level, active) {
+            level.read_view(Some(active), &mut buf, vcn * cs)?;
+            for (start, stop) in page_runs(&held_pages(level, active, vcn)) {
+                let (a, b) = (start as u64 * PAGE_SIZE, stop as u64 * PAGE_SIZE);
+                target.write_at(&buf[a as usize..b as usize], vcn * cs + a)?;
+                copied += b - a;
+            }
+        }
+    }
+    target.flush()?;
+    Ok(CommitReport {
+        base: target.path().to_owned(),
+        bytes_copied: copied,
+        emptied: false,
+    })
+}
+
+fn is_pcow_file(path: &Path) -> bool {
+    std::fs::File::open(path).is_ok_and(|f| is_pcow(&f).unwrap_or(false))
 }
 
 /// Virtual clusters that any layer on `layer`'s path holds, in order.

@@ -10,7 +10,7 @@ mod commit;
 mod compact;
 mod rebase;
 
-pub use commit::{commit, CommitReport};
+pub use commit::{commit, commit_into, CommitReport};
 pub use compact::{compact, CompactReport};
 pub use rebase::rebase;
 

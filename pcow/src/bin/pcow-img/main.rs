@@ -225,6 +225,10 @@ struct CommitArgs {
     /// Keep the overlay's content (do not empty it).
     #[arg(short = 'd')]
     keep: bool,
+    /// Commit into BASE, any image of the chain (the overlay is kept; the
+    /// images between read BASE's new content where they hold nothing).
+    #[arg(short = 'b', value_name = "BASE")]
+    base: Option<PathBuf>,
     /// The overlay.
     file: PathBuf,
 }

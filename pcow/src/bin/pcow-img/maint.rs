@@ -21,7 +21,10 @@ pub fn pcow_only(format: Option<Fmt>, command: &str, lacks: &str) -> anyhow::Res
 
 pub fn commit(a: CommitArgs) -> anyhow::Result<u8> {
     pcow_only(a.format, "commit", "base")?;
-    let r = pcow::ops::commit(&a.file, a.keep)?;
+    let r = match &a.base {
+        Some(base) => pcow::ops::commit_into(&a.file, base)?,
+        None => pcow::ops::commit(&a.file, a.keep)?,
+    };
     if a.quiet {
         return Ok(0);
     }
