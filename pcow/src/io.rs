@@ -98,17 +98,23 @@ pub fn allocate_file(file: &File, offset: u64, len: u64) -> io::Result<()> {
 }
 
 /// Allocates all `len` bytes of a raw file (qemu-img's `preallocation=`
-/// for raw): reserved, and with `write_zeros` also written.
-pub fn preallocate_file(file: &File, len: u64, write_zeros: bool) -> io::Result<()> {
+/// for raw): reserved, and with `zeros` also written.
+pub fn preallocate_file(file: &File, len: u64, zeros: bool) -> io::Result<()> {
     allocate_file(file, 0, len)?;
-    if write_zeros {
-        let zeros = vec![0u8; (1u64 << 20).min(len) as usize];
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(zeros.len() as u64);
-            file.write_all_at(&zeros[..n as usize], done)?;
-            done += n;
-        }
+    if zeros {
+        write_zeros(file, 0, len)?;
+    }
+    Ok(())
+}
+
+/// Writes zeros over `[offset, offset + len)` of `file`, 1 MiB at a time.
+pub fn write_zeros(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    let zeros = vec![0u8; (1u64 << 20).min(len) as usize];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(zeros.len() as u64);
+        file.write_all_at(&zeros[..n as usize], offset + done)?;
+        done += n;
     }
     Ok(())
 }

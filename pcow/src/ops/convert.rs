@@ -35,7 +35,7 @@ use crate::image::{
     io_err, is_pcow, CreateOptions, Image, OpenOptions, Preallocation, DEFAULT_CLUSTER_SIZE,
 };
 
-pub(crate) use super::source::{is_zero, next_data, Source};
+pub(crate) use super::source::{extent_data_ranges, file_data_ranges, is_zero, Source};
 pub use super::source::{ImageFormat, SnapshotSel};
 
 /// `-S`'s default: zero runs of a page or more stay sparse.
@@ -174,17 +174,10 @@ fn check_distinct(src: &Source, output: &Path) -> Result<()> {
     let Ok(out) = std::fs::metadata(output) else {
         return Ok(());
     };
-    let mut paths = vec![src.path().to_owned()];
-    if let Source::Pcow { image: img, .. } = src {
-        let mut cur = img.base();
-        while let Some(b) = cur {
-            paths.push(b.path().to_owned());
-            cur = match b {
-                crate::chain::Backing::Pcow(i) => i.base(),
-                crate::chain::Backing::Raw(_) => None,
-            };
-        }
-    }
+    let paths = match src {
+        Source::Pcow { image, .. } => image.chain_paths(),
+        Source::Raw(r) => vec![r.path().to_owned()],
+    };
     for p in paths {
         let Ok(md) = std::fs::metadata(&p) else {
             continue;
@@ -321,27 +314,10 @@ impl Target {
 
     /// The ranges where the target may show non-zero bytes.
     fn data_ranges(&self) -> Result<Vec<(u64, u64)>> {
-        let mut out: Vec<(u64, u64)> = Vec::new();
         match self {
-            Target::Raw(r) => {
-                let mut off = 0;
-                while let Some((s, e)) =
-                    next_data(&r.file, off, r.len).map_err(io_err(&r.path, "seeking data"))?
-                {
-                    out.push((s, e));
-                    off = e;
-                }
-            }
-            Target::Pcow(i) => {
-                for e in i.extents().iter().filter(|e| e.file_offset.is_some()) {
-                    match out.last_mut() {
-                        Some(last) if last.1 == e.offset => last.1 += e.length,
-                        _ => out.push((e.offset, e.offset + e.length)),
-                    }
-                }
-            }
+            Target::Raw(r) => file_data_ranges(&r.file, r.len, &r.path),
+            Target::Pcow(i) => Ok(extent_data_ranges(&i.extents())),
         }
-        Ok(out)
     }
 
     fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
@@ -799,15 +775,8 @@ impl RawOutput {
         if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
             return Err(io_err(&self.path, "punching a hole")(e));
         }
-        let zeros = vec![0u8; CHUNK.min(len) as usize];
-        let mut done = 0;
-        while done < len {
-            let n = (len - done).min(zeros.len() as u64);
-            self.file
-                .write_all_at(&zeros[..n as usize], off + done)
-                .map_err(io_err(&self.path, "writing zeros"))?;
-            done += n;
-        }
+        crate::io::write_zeros(&self.file, off, len)
+            .map_err(io_err(&self.path, "writing zeros"))?;
         Ok(())
     }
 }
@@ -816,6 +785,7 @@ impl RawOutput {
 mod tests {
     use super::*;
     use crate::format::BaseFormat;
+    use crate::ops::source::next_data;
 
     fn opts(out: ImageFormat) -> ConvertOptions {
         ConvertOptions::new(out)

@@ -5,8 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
-use crate::ops::source::{next_data, ImageFormat, Source};
+use crate::error::Result;
+use crate::ops::source::{file_data_ranges, ImageFormat, Source};
 
 /// One range of the map.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,23 +48,19 @@ pub fn map(
     }
     let all = match &src {
         Source::Raw(r) => {
+            // Data ranges, and the holes between them.
             let mut v = Vec::new();
             let mut at = 0;
-            let hole = |v: &mut Vec<MapRange>, s: u64, e: u64| {
-                if s < e {
-                    v.push(raw_range(r.path(), s, e, false));
+            for (s, e) in file_data_ranges(r.file(), size, r.path())? {
+                if at < s {
+                    v.push(raw_range(r.path(), at, s, false));
                 }
-            };
-            while let Some((s, e)) = next_data(r.file(), at, size).map_err(|source| Error::Io {
-                path: r.path().to_owned(),
-                op: "seeking data",
-                source,
-            })? {
-                hole(&mut v, at, s);
                 v.push(raw_range(r.path(), s, e, true));
                 at = e;
             }
-            hole(&mut v, at, size);
+            if at < size {
+                v.push(raw_range(r.path(), at, size, false));
+            }
             v
         }
         Source::Pcow { .. } => src

@@ -272,33 +272,10 @@ impl Source {
     /// The ranges that may hold non-zero bytes, sorted, disjoint, within
     /// the size. Everything else reads as zeros.
     pub(crate) fn data_ranges(&self) -> Result<Vec<(u64, u64)>> {
-        let mut out: Vec<(u64, u64)> = Vec::new();
-        let mut push = |s: u64, e: u64| match out.last_mut() {
-            Some(last) if last.1 == s => last.1 = e,
-            _ => out.push((s, e)),
-        };
         match self {
-            Source::Raw(r) => {
-                let mut off = 0;
-                while let Some((s, e)) =
-                    next_data(r.file(), off, r.len()).map_err(io_err(r.path(), "seeking data"))?
-                {
-                    push(s, e);
-                    off = e;
-                }
-            }
-            Source::Pcow { .. } => {
-                for e in self
-                    .extents()
-                    .unwrap_or_default()
-                    .iter()
-                    .filter(|e| e.file_offset.is_some())
-                {
-                    push(e.offset, e.offset + e.length);
-                }
-            }
+            Source::Raw(r) => file_data_ranges(r.file(), r.len(), r.path()),
+            Source::Pcow { .. } => Ok(extent_data_ranges(&self.extents().unwrap_or_default())),
         }
-        Ok(out)
     }
 
     /// Calls `f(offset, chunk)` for every `chunk`-sized, `chunk`-aligned
@@ -343,6 +320,30 @@ impl Source {
         progress(size, size);
         Ok(())
     }
+}
+
+/// The data ranges of a file up to `len` (`SEEK_DATA`/`SEEK_HOLE`),
+/// sorted and disjoint.
+pub(crate) fn file_data_ranges(file: &File, len: u64, path: &Path) -> Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    while let Some((s, e)) = next_data(file, off, len).map_err(io_err(path, "seeking data"))? {
+        out.push((s, e));
+        off = e;
+    }
+    Ok(out)
+}
+
+/// The ranges of `extents` that hold data, adjacent ones merged.
+pub(crate) fn extent_data_ranges(extents: &[Extent]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for e in extents.iter().filter(|e| e.file_offset.is_some()) {
+        match out.last_mut() {
+            Some(last) if last.1 == e.offset => last.1 += e.length,
+            _ => out.push((e.offset, e.offset + e.length)),
+        }
+    }
+    out
 }
 
 /// Whether every byte is zero.
