@@ -43,6 +43,7 @@ pub mod boot;
 pub mod config;
 pub mod control;
 pub mod cpu;
+pub mod device_tree;
 pub mod irq;
 pub mod legacy;
 pub mod machine;

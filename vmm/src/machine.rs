@@ -29,6 +29,7 @@ use crate::acpi::{self, AcpiConfig};
 use crate::boot::linux::{self, BootSource};
 use crate::config::{PmemFormat, ValidatedPmem, VmConfig};
 use crate::cpu;
+use crate::device_tree::{self, DeviceTree, Resource};
 use crate::irq::{self, GsiRouter, MsixIrqs};
 use crate::legacy::ports::PortBusBuilder;
 use crate::legacy::power::{power_channel, PowerDevice, PowerEventReceiver};
@@ -100,12 +101,30 @@ pub enum MachineError {
     EventFd(#[source] std::io::Error),
 }
 
+/// The copy-on-write granularity: a barrier moves whole 4 KiB pages.
+const COW_PAGE: u64 = 4096;
+
+/// What the barriers of a pcow device did, for `vm.counters`.
+#[derive(Debug, Default)]
+pub struct BarrierCounts {
+    barriers: AtomicU64,
+    pages_copied: AtomicU64,
+}
+
+impl BarrierCounts {
+    fn add(&self, s: &BarrierStats) {
+        self.barriers.fetch_add(1, Ordering::Relaxed);
+        self.pages_copied
+            .fetch_add(s.pages_copied, Ordering::Relaxed);
+    }
+}
+
 /// The flush backend of a pmem device: the region is shared with the
 /// machine, which runs the final barrier and reports status.
 #[derive(Clone)]
 pub enum PmemBackend {
-    /// A pcow chain, and the count of barriers run on it.
-    Pcow(Arc<PcowRegion>, Arc<AtomicU64>),
+    /// A pcow chain, and what its barriers did.
+    Pcow(Arc<PcowRegion>, Arc<BarrierCounts>),
     /// A raw file (upstream behaviour).
     Raw(Arc<RawRegion>),
 }
@@ -116,7 +135,7 @@ impl PmemBackend {
         match self {
             PmemBackend::Pcow(r, n) => {
                 let s = r.barrier()?;
-                n.fetch_add(1, Ordering::Relaxed);
+                n.add(&s);
                 Ok(Some(s))
             }
             PmemBackend::Raw(r) => {
@@ -192,7 +211,7 @@ impl Pmem {
     /// Barriers run so far (FLUSH requests, the API's, the final one).
     pub fn barriers(&self) -> u64 {
         match &self.backend {
-            PmemBackend::Pcow(_, n) => n.load(Ordering::Relaxed),
+            PmemBackend::Pcow(_, n) => n.barriers.load(Ordering::Relaxed),
             PmemBackend::Raw(_) => 0,
         }
     }
@@ -246,13 +265,35 @@ impl Pmem {
         Ok(())
     }
 
+    /// The device's counters for `vm.counters`: the virtio device's own
+    /// (FLUSH requests), then for pcow what the barriers and the monitor
+    /// did. `bytes_written` counts what the device itself wrote into the
+    /// image (pages moved by copy-on-write); the guest's stores through
+    /// shared mappings never pass through the VMM.
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        let mut c = self
+            .virtio
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .counters();
+        if let PmemBackend::Pcow(_, n) = &self.backend {
+            let copied = n.pages_copied.load(Ordering::Relaxed);
+            c.push(("barriers", n.barriers.load(Ordering::Relaxed)));
+            c.push(("pages_copied", copied));
+            c.push(("bytes_written", copied * COW_PAGE));
+            if let Some(f) = self.monitor.as_ref().and_then(|m| m.counters().ok()) {
+                c.push(("expansions", f.write_faults));
+                c.push(("zero_maps", f.read_faults));
+            }
+        }
+        c
+    }
+
     /// A host-initiated barrier on a pcow device (an API flush); `None`
     /// for a raw file.
     pub fn barrier(&self) -> Option<Result<BarrierStats, BarrierError>> {
         match &self.backend {
-            PmemBackend::Pcow(r, n) => Some(r.barrier().inspect(|_| {
-                n.fetch_add(1, Ordering::Relaxed);
-            })),
+            PmemBackend::Pcow(r, n) => Some(r.barrier().inspect(|s| n.add(s))),
             PmemBackend::Raw(_) => None,
         }
     }
@@ -411,7 +452,7 @@ impl Machine {
                         )?;
                     let (host, len) = (region.host_addr(), region.len());
                     (
-                        PmemBackend::Pcow(Arc::new(region), Arc::new(AtomicU64::new(0))),
+                        PmemBackend::Pcow(Arc::new(region), Arc::default()),
                         Some(Arc::new(monitor)),
                         host,
                         len,
@@ -570,6 +611,42 @@ impl Machine {
             _router: router,
             vm,
         })
+    }
+    /// `vm.info`'s device tree: the serial port, the IO-APIC, and each
+    /// virtio device under its PCI function.
+    pub fn device_tree(&self) -> DeviceTree {
+        use crate::legacy::serial::{COM1_BASE, COM1_SIZE};
+        let mut tree = DeviceTree::new();
+        if self.serial.is_some() {
+            device_tree::add_platform(
+                &mut tree,
+                "__serial",
+                vec![
+                    Resource::PioAddressRange {
+                        base: COM1_BASE,
+                        size: COM1_SIZE,
+                    },
+                    Resource::LegacyIrq(COM1_IRQ),
+                ],
+            );
+        }
+        device_tree::add_platform(
+            &mut tree,
+            "__ioapic",
+            vec![Resource::MmioAddressRange {
+                base: crate::boot::layout::IOAPIC_START,
+                size: crate::boot::layout::IOAPIC_SIZE,
+            }],
+        );
+        for p in &self.pmem {
+            let bar = p.virtio.lock().unwrap_or_else(|e| e.into_inner()).bar();
+            let region = Resource::MmioAddressRange {
+                base: p.gpa(),
+                size: p.size(),
+            };
+            device_tree::add_virtio(&mut tree, &p.id, &p.bdf, bar, vec![region]);
+        }
+        tree
     }
 
     /// Starts every vCPU on its own thread.

@@ -148,7 +148,8 @@ fn run() -> Result<()> {
             (Some(HttpServer::start(path, tx)?), Some(rx))
         }
         Some(ApiSocket::Fd(fd)) => {
-            bail!("--api-socket fd={fd}: an inherited socket is not supported yet, use path=")
+            let (tx, rx) = api::channel().context("API channel")?;
+            (Some(HttpServer::from_fd(*fd, tx)?), Some(rx))
         }
         None => (None, None),
     };

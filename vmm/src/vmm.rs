@@ -5,10 +5,16 @@
 //! | state | machine | reached by |
 //! |---|---|---|
 //! | (none) | - | start without `--kernel`, `vm.delete` |
-//! | `Created` | - | `--kernel` (before the boot), `vm.create` |
+//! | `Created` | - | `--kernel` (before the boot), `vm.create`, `vm.shutdown` |
 //! | `Running` | built, vCPUs run | `vm.boot`, `vm.resume`, `vm.reboot`, guest reset |
 //! | `Paused` | built, vCPUs held | `vm.pause` |
-//! | `Shutdown` | - | `vm.shutdown` |
+//!
+//! As upstream, a VM that was shut down is `Created` again (it may boot
+//! again), and the answers are upstream's: an action in the wrong state is
+//! 500 (`["Error from API", what failed, why]`), `vm.info`, `vm.boot`,
+//! `vm.reboot` and the `add-*` actions without a VM are 404, `vm.pause`,
+//! `vm.resume`, `vm.shutdown`, `vm.counters`, `vm.power-button` and
+//! `vm.nmi` without a running VM are 500, `vm.delete` without a VM is 204.
 //!
 //! The VMM thread runs [`Vmm::run`]: while a machine exists it is the
 //! control loop ([`crate::control`]), which also returns when the API has
@@ -24,9 +30,9 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::api::{
     ApiError, ApiReceiver, ApiRequest, ApiResult, PmemOverlay, PmemRollback, PmemSnapshot,
-    PmemSnapshotDelete, RequestHandler,
+    PmemSnapshotDelete, RequestHandler, Unsupported, VmResize,
 };
-use crate::config::{PmemConfig, ValidationError, VmConfig};
+use crate::config::{PmemConfig, ValidationError, VmConfig, MAX_VCPUS};
 use crate::control::{self, Inputs, Outcome};
 use crate::machine::{Machine, MachineError, Pmem};
 
@@ -39,8 +45,6 @@ pub enum VmState {
     Running,
     /// vCPUs held.
     Paused,
-    /// Shut down (may boot again).
-    Shutdown,
 }
 
 impl VmState {
@@ -49,7 +53,6 @@ impl VmState {
             VmState::Created => "Created",
             VmState::Running => "Running",
             VmState::Paused => "Paused",
-            VmState::Shutdown => "Shutdown",
         }
     }
 }
@@ -119,8 +122,19 @@ fn snapshot_json(s: &pcow::SnapshotInfo) -> Value {
     })
 }
 
-fn conflict(msg: impl Into<String>) -> ApiError {
-    ApiError::new(409, msg)
+/// An action in a state that does not allow it (upstream: 500).
+fn wrong_state(msg: impl Into<String>) -> ApiError {
+    ApiError::new(500, msg)
+}
+
+/// No VM to act on, where upstream answers 404.
+fn not_created() -> ApiError {
+    ApiError::new(404, "VM is not created")
+}
+
+/// No running (or paused) VM, where upstream answers 500.
+fn not_running() -> ApiError {
+    ApiError::new(500, "VM is not running")
 }
 
 impl Vmm {
@@ -135,22 +149,30 @@ impl Vmm {
     }
 
     fn vm(&self) -> Result<&Vm, ApiError> {
-        self.vm
-            .as_ref()
-            .ok_or_else(|| ApiError::new(404, "no VM is created (vm.create first)"))
+        self.vm.as_ref().ok_or_else(not_created)
     }
 
     fn vm_mut(&mut self) -> Result<&mut Vm, ApiError> {
-        self.vm
-            .as_mut()
-            .ok_or_else(|| ApiError::new(404, "no VM is created (vm.create first)"))
+        self.vm.as_mut().ok_or_else(not_created)
+    }
+
+    /// The running (or paused) VM and its machine; 500 otherwise.
+    fn machine_mut(&mut self) -> Result<(&mut VmState, &mut Machine), ApiError> {
+        match self.vm.as_mut() {
+            Some(Vm {
+                machine: Some(m),
+                state,
+                ..
+            }) => Ok((state, m)),
+            _ => Err(not_running()),
+        }
     }
 
     /// Creates the VM from `config` (validated here).
     pub fn create(&mut self, mut config: VmConfig) -> ApiResult {
         if let Some(vm) = &self.vm {
-            return Err(conflict(format!(
-                "a VM is already created (state {}): vm.delete it first",
+            return Err(wrong_state(format!(
+                "VM is already created (it is {}): vm.delete it first",
                 vm.state.name()
             )));
         }
@@ -170,7 +192,10 @@ impl Vmm {
     pub fn boot(&mut self) -> ApiResult {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
-            return Err(conflict(format!("the VM is {}", vm.state.name())));
+            return Err(wrong_state(format!(
+                "VM is already booted (it is {})",
+                vm.state.name()
+            )));
         }
         // Again: the files may have changed since the VM was created.
         let pmem = vm
@@ -189,7 +214,7 @@ impl Vmm {
     }
 
     /// Stops the machine (final barriers) if there is one; the state
-    /// becomes `Shutdown`.
+    /// becomes `Created` again.
     fn stop_machine(&mut self) -> Result<(), String> {
         let Some(vm) = self.vm.as_mut() else {
             return Ok(());
@@ -197,7 +222,7 @@ impl Vmm {
         let Some(mut m) = vm.machine.take() else {
             return Ok(());
         };
-        vm.state = VmState::Shutdown;
+        vm.state = VmState::Created;
         let failed = control::stop(&mut m)?;
         drop(m);
         if failed > 0 {
@@ -206,13 +231,6 @@ impl Vmm {
             ));
         }
         Ok(())
-    }
-
-    fn running(&self) -> Result<&Machine, ApiError> {
-        let vm = self.vm()?;
-        vm.machine
-            .as_ref()
-            .ok_or_else(|| conflict(format!("the VM is {}, not running", vm.state.name())))
     }
 
     /// Runs until the VMM should end.
@@ -273,17 +291,14 @@ impl Vmm {
     /// `vm.resume`: after a pause for space, the devices first move what
     /// waited into their images; the guest stays paused if they cannot.
     fn resume(&mut self) -> ApiResult {
-        let vm = self.vm_mut()?;
-        let (Some(m), VmState::Paused) = (vm.machine.as_mut(), vm.state) else {
-            return Err(conflict(format!(
-                "the VM is {}, not Paused",
-                vm.state.name()
-            )));
-        };
+        let (state, m) = self.machine_mut()?;
+        if *state != VmState::Paused {
+            return Err(wrong_state(format!("VM is {}, not Paused", state.name())));
+        }
         if let Some(why) = m.pause_reason.clone() {
             for p in &m.pmem {
                 p.retry_out_of_space().map_err(|e| {
-                    conflict(format!(
+                    wrong_state(format!(
                         "the VM stays paused: still out of space: {e} (paused for: {why})"
                     ))
                 })?;
@@ -292,7 +307,7 @@ impl Vmm {
             m.pause_reason = None;
         }
         m.ctl.resume();
-        vm.state = VmState::Running;
+        *state = VmState::Running;
         Ok(None)
     }
 
@@ -344,35 +359,112 @@ impl Vmm {
         }
     }
 
+    /// `vm.info` in upstream's shape: no `device_tree` before the boot,
+    /// no `pause_reason` (ours) unless the VMM paused the guest itself.
     fn info(&self) -> ApiResult {
         let vm = self.vm()?;
-        let mut tree = serde_json::Map::new();
-        for p in vm.config.pmem() {
-            let id = p.id.clone().unwrap_or_default();
-            let bdf = vm
-                .machine
-                .as_ref()
-                .and_then(|m| m.pmem.iter().find(|d| d.id == id))
-                .map(|d| d.bdf.clone());
-            tree.insert(
-                id.clone(),
-                json!({"id": id, "resources": [], "parent": null, "children": [], "pci_bdf": bdf}),
-            );
-        }
-        let pause_reason = vm.machine.as_ref().and_then(|m| m.pause_reason.clone());
-        Ok(Some(json!({
+        let mut info = json!({
             "config": vm.config,
             "state": vm.state.name(),
-            "pause_reason": pause_reason,
             "memory_actual_size": vm.config.memory.size,
-            "device_tree": tree,
-        })))
+        });
+        if let Some(m) = &vm.machine {
+            info["device_tree"] = json!(m.device_tree());
+            if let Some(why) = &m.pause_reason {
+                info["pause_reason"] = json!(why);
+            }
+        }
+        Ok(Some(info))
+    }
+
+    /// `vm.counters`: per device, its counters (upstream's
+    /// `{id: {name: value}}`).
+    fn counters(&mut self) -> ApiResult {
+        let (_, m) = self.machine_mut()?;
+        let mut out = serde_json::Map::new();
+        for p in &m.pmem {
+            let c: serde_json::Map<String, Value> = p
+                .counters()
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), json!(v)))
+                .collect();
+            out.insert(p.id.clone(), Value::Object(c));
+        }
+        Ok(Some(Value::Object(out)))
+    }
+
+    /// `vm.resize`: on a VM that is not booted, edits its config as
+    /// upstream does (checked here rather than at the next boot); a running
+    /// VM keeps its vCPUs and RAM, since this VMM has no vCPU or memory
+    /// hot-plug, unless nothing would change.
+    fn resize(&mut self, r: VmResize) -> ApiResult {
+        let vm = self.vm_mut()?;
+        let cfg = &vm.config;
+        let vcpus = match r.desired_vcpus {
+            None => None,
+            Some(n) => Some(
+                u8::try_from(n)
+                    .ok()
+                    .filter(|n| (1..=MAX_VCPUS).contains(n))
+                    .ok_or_else(|| {
+                        ApiError::new(400, format!("desired_vcpus {n}: must be 1 to {MAX_VCPUS}"))
+                    })?,
+            ),
+        };
+        if let Some(ram) = r.desired_ram {
+            if ram == 0 || ram % (2 << 20) != 0 {
+                return Err(ApiError::new(
+                    400,
+                    format!("desired_ram {ram}: must be a non-zero multiple of 2 MiB"),
+                ));
+            }
+        }
+        if r.desired_balloon.is_some_and(|b| b != 0) {
+            return Err(ApiError::new(
+                400,
+                "desired_balloon: this VMM has no virtio-balloon device",
+            ));
+        }
+        let changes_vcpus = vcpus.is_some_and(|n| n != cfg.cpus.boot_vcpus);
+        let changes_ram = r.desired_ram.is_some_and(|m| m != cfg.memory.size);
+        if vm.machine.is_some() {
+            if changes_vcpus || changes_ram {
+                return Err(wrong_state(format!(
+                    "VM is {}: resizing it needs {} hot-plug, which this VMM does not have; \
+                     vm.shutdown, vm.resize, then vm.boot",
+                    vm.state.name(),
+                    if changes_vcpus { "vCPU" } else { "memory" }
+                )));
+            }
+            return Ok(None);
+        }
+        let mut next = cfg.clone();
+        if let Some(n) = vcpus {
+            next.cpus.boot_vcpus = n;
+            next.cpus.max_vcpus = next.cpus.max_vcpus.max(n);
+        }
+        if let Some(ram) = r.desired_ram {
+            next.memory.size = ram;
+        }
+        next.validate()
+            .map_err(|e| ApiError::with_source(400, "invalid VM config after the resize", &e))?;
+        vm.config = next;
+        Ok(None)
+    }
+
+    /// An upstream endpoint of something this VMM does not have.
+    fn unsupported(&self, u: Unsupported) -> ApiResult {
+        self.vm()?;
+        Err(ApiError::new(
+            400,
+            format!("{}: this VMM has no {}", u.action, u.missing),
+        ))
     }
 
     fn add_pmem(&mut self, cfg: PmemConfig) -> ApiResult {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
-            return Err(conflict(
+            return Err(wrong_state(
                 "hot-plug of pmem devices into a running VM is not supported: \
                  add the device before vm.boot or after vm.shutdown",
             ));
@@ -390,7 +482,7 @@ impl Vmm {
     fn remove_device(&mut self, id: &str) -> ApiResult {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
-            return Err(conflict(
+            return Err(wrong_state(
                 "hot-unplug from a running VM is not supported: \
                  remove the device before vm.boot or after vm.shutdown",
             ));
@@ -465,7 +557,7 @@ impl Vmm {
 
     fn pmem_overlay(&mut self, r: PmemOverlay) -> ApiResult {
         let Some(p) = self.live(&r.id)? else {
-            return Err(conflict(
+            return Err(wrong_state(
                 "the VM is not running: create an overlay offline with \
                  `pcow-img create -b BASE -F pcow FILE` and point the device at it",
             ));
@@ -519,7 +611,7 @@ impl Vmm {
         let path = self.pcow_config(&r.id)?;
         let running = self.vm()?.machine.is_some();
         if running && !r.reset {
-            return Err(conflict(format!(
+            return Err(wrong_state(format!(
                 "the VM is {}: a rollback replaces what the guest sees under it; \
                  pass \"reset\": true to restart the guest on the snapshot, \
                  or shut the VM down first",
@@ -596,7 +688,7 @@ impl Vmm {
 
     fn pmem_flush(&mut self, id: &str) -> ApiResult {
         let Some(p) = self.live(id)? else {
-            return Err(conflict(format!(
+            return Err(wrong_state(format!(
                 "the VM is {}: nothing to flush (the image is closed)",
                 self.vm()?.state.name()
             )));
@@ -694,28 +786,25 @@ impl RequestHandler for Vmm {
             ApiRequest::VmBoot => self.boot(),
             ApiRequest::VmInfo => self.info(),
             ApiRequest::VmPause => {
-                let vm = self.vm_mut()?;
-                match (&vm.machine, vm.state) {
-                    (Some(m), VmState::Running) => {
-                        m.ctl.pause();
-                        vm.state = VmState::Paused;
-                        Ok(None)
-                    }
-                    _ => Err(conflict(format!(
-                        "the VM is {}, not Running",
-                        vm.state.name()
-                    ))),
+                let (state, m) = self.machine_mut()?;
+                if *state != VmState::Running {
+                    return Err(wrong_state(format!("VM is {}, not Running", state.name())));
                 }
+                m.ctl.pause();
+                *state = VmState::Paused;
+                Ok(None)
             }
             ApiRequest::VmResume => self.resume(),
             ApiRequest::VmShutdown => {
-                self.running()?;
+                self.machine_mut()?;
                 self.stop_machine()
                     .map_err(|e| ApiError::new(500, format!("shutting the VM down: {e}")))?;
                 Ok(None)
             }
             ApiRequest::VmReboot => {
-                self.running()?;
+                if self.vm()?.machine.is_none() {
+                    return Err(not_created());
+                }
                 self.restart()
             }
             ApiRequest::VmDelete => {
@@ -724,6 +813,13 @@ impl RequestHandler for Vmm {
                 self.vm = None;
                 Ok(None)
             }
+            ApiRequest::VmCounters => self.counters(),
+            ApiRequest::VmPowerButton | ApiRequest::VmNmi => {
+                self.machine_mut()?;
+                Err(ApiError::new(500, "not wired yet"))
+            }
+            ApiRequest::VmResize(r) => self.resize(r),
+            ApiRequest::Unsupported(u) => self.unsupported(u),
             ApiRequest::VmAddPmem(cfg) => self.add_pmem(*cfg),
             ApiRequest::VmRemoveDevice(d) => self.remove_device(&d.id),
             ApiRequest::PmemSnapshot(r) => self.pmem_snapshot(r),

@@ -8,6 +8,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -16,8 +17,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::routes::{allowed_method, route};
-use super::{ApiError, ApiResult, ApiSender};
+use super::routes::route;
+use super::{ApiError, ApiRequest, ApiResult, ApiSender};
 
 /// Largest request body accepted (413 beyond).
 pub const MAX_BODY: usize = 4 << 20;
@@ -53,13 +54,21 @@ pub enum HttpError {
     },
     #[error("starting the API thread")]
     Thread(#[source] io::Error),
+    #[error("API socket fd {fd}")]
+    Fd {
+        fd: RawFd,
+        #[source]
+        source: io::Error,
+    },
+    #[error("API socket fd {fd}: {why}")]
+    NotAListener { fd: RawFd, why: &'static str },
 }
 
-/// The running server. Dropping it removes the socket file (the accept
-/// thread ends with the process).
+/// The running server. Dropping it removes the socket file it created
+/// (the accept thread ends with the process).
 pub struct HttpServer {
-    path: PathBuf,
-    _lock: File,
+    /// The socket file and its lock, when the server created them.
+    created: Option<(PathBuf, File)>,
     in_flight: Arc<AtomicUsize>,
     _accept: JoinHandle<()>,
 }
@@ -105,16 +114,44 @@ impl HttpServer {
         };
         let listener = UnixListener::bind(path).map_err(bind_err)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
+        log::info!("API socket {}", path.display());
+        Self::serve(listener, api, Some((path.to_owned(), lock)))
+    }
+
+    /// Serves an inherited listening Unix socket (`--api-socket fd=N`, as
+    /// a process manager that binds the socket itself passes it). The fd
+    /// must be an open, listening `AF_UNIX` stream socket; it becomes the
+    /// server's (close-on-exec).
+    pub fn from_fd(fd: RawFd, api: ApiSender) -> Result<HttpServer, HttpError> {
+        check_listener(fd)?;
+        // SAFETY: `check_listener` proved `fd` is an open listening Unix
+        // stream socket; the command line hands it to the server alone, so
+        // nothing else owns or closes it.
+        let listener = unsafe { UnixListener::from_raw_fd(fd) };
+        // SAFETY: F_SETFD on an fd this process owns, with a valid flag.
+        if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+            return Err(HttpError::Fd {
+                fd,
+                source: io::Error::last_os_error(),
+            });
+        }
+        log::info!("API socket: inherited fd {fd}");
+        Self::serve(listener, api, None)
+    }
+
+    fn serve(
+        listener: UnixListener,
+        api: ApiSender,
+        created: Option<(PathBuf, File)>,
+    ) -> Result<HttpServer, HttpError> {
         let in_flight = Arc::new(AtomicUsize::new(0));
         let inf = in_flight.clone();
         let accept = std::thread::Builder::new()
             .name("http-api".into())
             .spawn(move || accept_loop(listener, api, inf))
             .map_err(HttpError::Thread)?;
-        log::info!("API socket {}", path.display());
         Ok(HttpServer {
-            path: path.to_owned(),
-            _lock: lock,
+            created,
             in_flight,
             _accept: accept,
         })
@@ -132,8 +169,48 @@ impl HttpServer {
 
 impl Drop for HttpServer {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Some((path, _lock)) = &self.created {
+            let _ = std::fs::remove_file(path);
+        }
     }
+}
+
+/// Whether `fd` is an open, listening Unix stream socket.
+fn check_listener(fd: RawFd) -> Result<(), HttpError> {
+    let not = |why| HttpError::NotAListener { fd, why };
+    let sockopt = |opt| -> Result<libc::c_int, HttpError> {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `v`, an int
+        // that lives through the call; a bad fd is an error return.
+        let r = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if r < 0 {
+            let source = io::Error::last_os_error();
+            return Err(match source.raw_os_error() {
+                Some(libc::ENOTSOCK) => not("not a socket"),
+                _ => HttpError::Fd { fd, source },
+            });
+        }
+        Ok(v)
+    };
+    if sockopt(libc::SO_DOMAIN)? != libc::AF_UNIX {
+        return Err(not("not a Unix socket"));
+    }
+    if sockopt(libc::SO_TYPE)? != libc::SOCK_STREAM {
+        return Err(not("not a stream socket"));
+    }
+    if sockopt(libc::SO_ACCEPTCONN)? == 0 {
+        return Err(not("not listening (bind and listen before passing it)"));
+    }
+    Ok(())
 }
 
 fn accept_loop(listener: UnixListener, api: ApiSender, in_flight: Arc<AtomicUsize>) {
@@ -149,12 +226,8 @@ fn accept_loop(listener: UnixListener, api: ApiSender, in_flight: Arc<AtomicUsiz
         };
         if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
             let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-            let _ = write_response(
-                &mut stream,
-                &Err(ApiError::new(503, "too many API connections")),
-                true,
-                None,
-            );
+            let busy = ApiError::new(503, "too many API connections");
+            let _ = write_response(&mut stream, &Answer::Err(&busy), true);
             continue;
         }
         active.fetch_add(1, Ordering::AcqRel);
@@ -296,50 +369,64 @@ pub fn parse_and_route(input: &[u8]) -> Option<Result<super::ApiRequest, ApiErro
     }
 }
 
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        204 => "No Content",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        409 => "Conflict",
-        413 => "Payload Too Large",
-        503 => "Service Unavailable",
-        _ => "Internal Server Error",
+/// What a request is answered with.
+enum Answer<'a> {
+    /// 204, no body and no `Content-Length`.
+    NoContent,
+    /// 200 with this JSON body (empty for `vmm.shutdown`).
+    Ok(Vec<u8>),
+    /// The error's status, its chain as a JSON array.
+    Err(&'a ApiError),
+}
+
+impl Answer<'_> {
+    fn of<'a>(r: &'a ApiResult, action: Option<&ApiRequest>) -> Answer<'a> {
+        match r {
+            // Upstream answers vmm.shutdown 200 with an empty body.
+            Ok(None) if matches!(action, Some(ApiRequest::VmmShutdown)) => Answer::Ok(Vec::new()),
+            Ok(None) => Answer::NoContent,
+            Ok(Some(v)) => Answer::Ok(serde_json::to_vec(v).unwrap_or_default()),
+            Err(e) => Answer::Err(e),
+        }
     }
 }
 
-/// Writes one answer; `allow` is the `Allow` header a 405 carries (RFC 9110).
-fn write_response(
-    stream: &mut UnixStream,
-    r: &ApiResult,
-    close: bool,
-    allow: Option<&str>,
-) -> io::Result<()> {
-    let (status, body) = match r {
-        Ok(None) => (204, Vec::new()),
-        Ok(Some(v)) => (200, serde_json::to_vec(v).unwrap_or_default()),
-        Err(e) => (e.status, serde_json::to_vec(&e.chain).unwrap_or_default()),
+/// The bytes of one answer, as micro_http (upstream's server) writes them:
+/// the status line has no reason phrase (upstream's client parses all of
+/// the rest of the line as the code), a 204 has neither `Content-Type`
+/// nor `Content-Length`. `close`: the connection closes after this answer
+/// (the client asked, or its request could not be read), and says so
+/// instead of `keep-alive`.
+fn response_bytes(answer: &Answer, close: bool) -> Vec<u8> {
+    let (status, body) = match answer {
+        Answer::NoContent => (204, None),
+        Answer::Ok(b) => (200, Some(b.clone())),
+        Answer::Err(e) => (
+            e.status,
+            Some(serde_json::to_vec(&e.chain).unwrap_or_default()),
+        ),
     };
-    let mut head = format!(
-        "HTTP/1.1 {status} {}\r\nServer: Cloud Hypervisor API\r\n",
-        reason(status)
-    );
-    if !body.is_empty() {
-        head.push_str("Content-Type: application/json\r\n");
+    let connection = if close { "close" } else { "keep-alive" };
+    let mut out = format!(
+        "HTTP/1.1 {status} \r\nServer: Cloud Hypervisor API\r\nConnection: {connection}\r\n"
+    )
+    .into_bytes();
+    if let Some(body) = &body {
+        out.extend_from_slice(
+            format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
     }
-    if let Some(methods) = allow {
-        head.push_str(&format!("Allow: {methods}\r\n"));
-    }
-    head.push_str(&format!("Content-Length: {}\r\n", body.len()));
-    if close {
-        head.push_str("Connection: close\r\n");
-    }
-    head.push_str("\r\n");
-    let mut out = head.into_bytes();
-    out.extend_from_slice(&body);
-    stream.write_all(&out)?;
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body.as_deref().unwrap_or_default());
+    out
+}
+
+fn write_response(stream: &mut UnixStream, answer: &Answer, close: bool) -> io::Result<()> {
+    stream.write_all(&response_bytes(answer, close))?;
     stream.flush()
 }
 
@@ -356,17 +443,16 @@ fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicU
                 let result = match route(&req.method, &req.path, &req.body) {
                     Ok(action) => {
                         in_flight.fetch_add(1, Ordering::AcqRel);
+                        let shutdown = matches!(action, ApiRequest::VmmShutdown);
                         let r = api.call(action);
-                        let w = write_response(&mut stream, &r, req.close, None);
+                        let kind = shutdown.then_some(&ApiRequest::VmmShutdown);
+                        let w = write_response(&mut stream, &Answer::of(&r, kind), req.close);
                         in_flight.fetch_sub(1, Ordering::AcqRel);
                         w
                     }
                     Err(e) => {
                         log::debug!("API: {} {}: {}", req.method, req.path, e.chain.join(": "));
-                        let allow = (e.status == 405)
-                            .then(|| allowed_method(&req.path))
-                            .flatten();
-                        write_response(&mut stream, &Err(e), req.close, allow)
+                        write_response(&mut stream, &Answer::Err(&e), req.close)
                     }
                 };
                 if result.is_err() || req.close {
@@ -376,7 +462,7 @@ fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicU
             Err(ReadError::Gone) => return,
             Err(ReadError::Bad(e)) => {
                 log::debug!("API: bad request: {}", e.chain.join(": "));
-                let _ = write_response(&mut stream, &Err(e), true, None);
+                let _ = write_response(&mut stream, &Answer::Err(&e), true);
                 return;
             }
         }
@@ -386,7 +472,6 @@ fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicU
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::ApiRequest;
 
     #[test]
     fn requests_from_bytes() {
@@ -411,6 +496,33 @@ mod tests {
         assert_eq!(
             status(b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"),
             400
+        );
+    }
+
+    /// micro_http's bytes, exactly: what upstream's client parses.
+    #[test]
+    fn responses_are_micro_http_bytes() {
+        let text = |a: &Answer, close| String::from_utf8(response_bytes(a, close)).unwrap();
+        assert_eq!(
+            text(&Answer::NoContent, false),
+            "HTTP/1.1 204 \r\nServer: Cloud Hypervisor API\r\nConnection: keep-alive\r\n\r\n"
+        );
+        assert_eq!(
+            text(&Answer::Ok(b"{}".to_vec()), false),
+            "HTTP/1.1 200 \r\nServer: Cloud Hypervisor API\r\nConnection: keep-alive\r\n\
+             Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        );
+        let shutdown = Answer::of(&Ok(None), Some(&ApiRequest::VmmShutdown));
+        assert!(text(&shutdown, false).ends_with("Content-Length: 0\r\n\r\n"));
+        let e = ApiError {
+            status: 500,
+            chain: vec!["Error from API".into(), "The VM could not boot".into()],
+        };
+        assert_eq!(
+            text(&Answer::Err(&e), true),
+            "HTTP/1.1 500 \r\nServer: Cloud Hypervisor API\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: 42\r\n\r\n\
+             [\"Error from API\",\"The VM could not boot\"]"
         );
     }
 }

@@ -9,16 +9,18 @@
 //!    thread).
 //! 2. The connection thread parses and routes it ([`routes`]): the method
 //!    and path pick an action, the JSON body is deserialized into that
-//!    action's struct (`deny_unknown_fields`). A bad request is answered
-//!    right there (4xx) without bothering the VMM.
+//!    action's struct (unknown fields ignored, as upstream; our own pcow
+//!    actions are `deny_unknown_fields`). A bad request is answered right
+//!    there (400 `["Bad Request"]`, 404 `["Not Found"]`, 400 `["Failed to
+//!    deserialize JSON", why]`, as upstream) without bothering the VMM.
 //! 3. A good request becomes an [`ApiRequest`] sent over a channel with a
 //!    reply channel, and the API eventfd is written.
 //! 4. The VMM thread's epoll loop wakes on that eventfd and runs every
 //!    queued request through its [`RequestHandler`] (the VMM's state
 //!    machine in [`crate::vmm`]), in order, sending each result back.
-//! 5. The connection thread writes the response: 200 with a JSON body, 204
-//!    without, or the error status with the error chain as a JSON array of
-//!    strings.
+//! 5. The connection thread writes the response in micro_http's bytes
+//!    (upstream's server): 200 with a JSON body, 204 without, or the error
+//!    status with the chain `["Error from API", what failed, why...]`.
 
 pub mod http;
 pub mod routes;
@@ -32,9 +34,9 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::{PmemConfig, VmConfig};
 
-/// `PUT vm.remove-device`.
+/// `PUT vm.remove-device` (upstream's `VmRemoveDeviceData`), and the
+/// device of `vm.pmem-flush`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DeviceId {
     /// The device id.
     pub id: String,
@@ -84,6 +86,30 @@ pub struct PmemSnapshotDelete {
     pub snapshot: String,
 }
 
+/// `PUT vm.resize`: upstream's `VmResizeData`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmResize {
+    /// vCPUs wanted.
+    #[serde(default)]
+    pub desired_vcpus: Option<u32>,
+    /// Guest RAM wanted, in bytes.
+    #[serde(default)]
+    pub desired_ram: Option<u64>,
+    /// Balloon size wanted, in bytes.
+    #[serde(default)]
+    pub desired_balloon: Option<u64>,
+}
+
+/// An upstream endpoint of a device or feature this VMM does not have:
+/// its body was valid JSON, and the VMM answers with a clear refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unsupported {
+    /// The action, `vm.add-disk` for one.
+    pub action: &'static str,
+    /// What is missing, for the message: "virtio-block devices".
+    pub missing: &'static str,
+}
+
 /// An action the VMM carries out, one per endpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ApiRequest {
@@ -111,6 +137,16 @@ pub enum ApiRequest {
     VmAddPmem(Box<PmemConfig>),
     /// `PUT vm.remove-device`.
     VmRemoveDevice(DeviceId),
+    /// `GET vm.counters`.
+    VmCounters,
+    /// `PUT vm.power-button`.
+    VmPowerButton,
+    /// `PUT vm.nmi`.
+    VmNmi,
+    /// `PUT vm.resize`.
+    VmResize(VmResize),
+    /// An upstream endpoint of something this VMM does not have.
+    Unsupported(Unsupported),
     /// `PUT vm.pmem-snapshot`.
     PmemSnapshot(PmemSnapshot),
     /// `PUT vm.pmem-overlay`.
@@ -125,10 +161,68 @@ pub enum ApiRequest {
     PmemInfo,
 }
 
-/// A failed action: the HTTP status and the error chain, outermost first.
+impl ApiRequest {
+    /// What failed, as the second element of an error body: upstream's
+    /// words for its actions.
+    pub fn failure(&self) -> &'static str {
+        match self {
+            ApiRequest::VmmPing => "The VMM could not be pinged",
+            ApiRequest::VmmShutdown => "The VMM could not shutdown",
+            ApiRequest::VmCreate(_) => "The VM could not be created",
+            ApiRequest::VmBoot => "The VM could not boot",
+            ApiRequest::VmInfo | ApiRequest::VmCounters => "The VM info is not available",
+            ApiRequest::VmPause => "The VM could not be paused",
+            ApiRequest::VmResume => "The VM could not resume",
+            ApiRequest::VmShutdown => "The VM could not shutdown",
+            ApiRequest::VmReboot => "The VM could not reboot",
+            ApiRequest::VmDelete => "The VM could not be deleted",
+            ApiRequest::VmAddPmem(_) => "The pmem device could not be added to the VM",
+            ApiRequest::VmRemoveDevice(_) => "The device could not be removed from the VM",
+            ApiRequest::VmPowerButton => "Error triggering power button",
+            ApiRequest::VmNmi => "Error triggering NMI",
+            ApiRequest::VmResize(_) => "The VM could not be resized",
+            ApiRequest::Unsupported(u) => unsupported_failure(u.action),
+            ApiRequest::PmemSnapshot(_) => "The pmem snapshot could not be taken",
+            ApiRequest::PmemOverlay(_) => "The pmem overlay could not be created",
+            ApiRequest::PmemRollback(_) => "The pmem device could not be rolled back",
+            ApiRequest::PmemSnapshotDelete(_) => "The pmem snapshot could not be deleted",
+            ApiRequest::PmemFlush(_) => "The pmem device could not be flushed",
+            ApiRequest::PmemInfo => "The pmem info is not available",
+        }
+    }
+}
+
+/// Upstream's words for a failed action of an endpoint we refuse.
+fn unsupported_failure(action: &str) -> &'static str {
+    match action {
+        "vm.add-disk" => "The disk could not be added to the VM",
+        "vm.add-fs" => "The fs could not be added to the VM",
+        "vm.add-net" => "The network device could not be added to the VM",
+        "vm.add-vsock" => "The vsock device could not be added to the VM",
+        "vm.add-vdpa" => "The vDPA device could not be added to the VM",
+        "vm.add-device" => "The device could not be added to the VM",
+        "vm.add-user-device" => "The user device could not be added to the VM",
+        "vm.add-generic-vhost-user" => "The generic vhost-user device could not be added to the VM",
+        "vm.resize-zone" => "The memory zone could not be resized",
+        "vm.resize-disk" => "The disk could not be resized",
+        "vm.snapshot" => "The VM could not be snapshotted",
+        "vm.restore" => "The VM could not be restored",
+        "vm.coredump" => "The VM could not be coredumped",
+        "vm.send-migration" => "Error dispatching the migration worker",
+        "vm.receive-migration" => "Error receiving migration",
+        _ => "The request could not be carried out",
+    }
+}
+
+/// The first element of the body of every failed action, as upstream.
+pub const API_ERROR: &str = "Error from API";
+
+/// A failed request: the HTTP status and the error chain, outermost first.
+/// The VMM's handlers give the reasons only; [`ApiReceiver::serve`] puts
+/// [`API_ERROR`] and the action's [`ApiRequest::failure`] in front.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
-    /// 400, 404, 405, 409, 413 or 500.
+    /// 400, 404, 409, 413, 500 or 503.
     pub status: u16,
     /// The error chain, outermost first.
     pub chain: Vec<String>,
@@ -186,7 +280,12 @@ impl ApiReceiver {
         let _ = self.evt.read();
         let mut n = 0;
         while let Ok((req, reply)) = self.rx.try_recv() {
-            let r = handler.handle(req);
+            let failure = req.failure();
+            let r = handler.handle(req).map_err(|mut e| {
+                e.chain
+                    .splice(0..0, [API_ERROR.to_owned(), failure.to_owned()]);
+                e
+            });
             // A client that went away does not care about its answer.
             let _ = reply.send(r);
             n += 1;

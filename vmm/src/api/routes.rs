@@ -1,10 +1,15 @@
 //! Method + path -> action, and the action's JSON body -> its struct.
 //! Pure functions: the HTTP layer's bad-request answers come from here,
-//! testable (and fuzzable) without a socket.
+//! testable (and fuzzable) without a socket. The answers are upstream's:
+//! an unknown path (a query string included) is 404 `["Not Found"]`, a
+//! wrong method or a missing or unexpected body 400 `["Bad Request"]`, a
+//! body that is not the action's JSON 400 `["Failed to deserialize JSON",
+//! why]`.
 
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 
-use super::{ApiError, ApiRequest};
+use super::{ApiError, ApiRequest, Unsupported};
 
 /// The path prefix of every endpoint.
 pub const PREFIX: &str = "/api/v1/";
@@ -17,13 +22,32 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("vm.create", "PUT"),
     ("vm.boot", "PUT"),
     ("vm.info", "GET"),
+    ("vm.counters", "GET"),
     ("vm.pause", "PUT"),
     ("vm.resume", "PUT"),
     ("vm.shutdown", "PUT"),
     ("vm.reboot", "PUT"),
+    ("vm.power-button", "PUT"),
+    ("vm.nmi", "PUT"),
     ("vm.delete", "PUT"),
+    ("vm.resize", "PUT"),
+    ("vm.resize-zone", "PUT"),
+    ("vm.resize-disk", "PUT"),
     ("vm.add-pmem", "PUT"),
+    ("vm.add-disk", "PUT"),
+    ("vm.add-fs", "PUT"),
+    ("vm.add-net", "PUT"),
+    ("vm.add-vsock", "PUT"),
+    ("vm.add-vdpa", "PUT"),
+    ("vm.add-device", "PUT"),
+    ("vm.add-user-device", "PUT"),
+    ("vm.add-generic-vhost-user", "PUT"),
     ("vm.remove-device", "PUT"),
+    ("vm.snapshot", "PUT"),
+    ("vm.restore", "PUT"),
+    ("vm.coredump", "PUT"),
+    ("vm.send-migration", "PUT"),
+    ("vm.receive-migration", "PUT"),
     ("vm.pmem-snapshot", "PUT"),
     ("vm.pmem-overlay", "PUT"),
     ("vm.pmem-rollback", "PUT"),
@@ -32,74 +56,101 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("vm.pmem-info", "GET"),
 ];
 
-fn json<T: DeserializeOwned>(action: &str, body: &[u8]) -> Result<T, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(ApiError::new(
-            400,
-            format!("{action}: the request needs a JSON body"),
-        ));
-    }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::with_source(400, format!("{action}: invalid request body"), &e))
+/// The upstream endpoints of devices and features this VMM does not have,
+/// with what is missing (the refusal names it).
+const UNSUPPORTED: &[(&str, &str)] = &[
+    ("vm.resize-zone", "memory zones"),
+    ("vm.resize-disk", "virtio-block devices"),
+    ("vm.add-disk", "virtio-block devices"),
+    ("vm.add-fs", "virtio-fs devices"),
+    ("vm.add-net", "virtio-net devices"),
+    ("vm.add-vsock", "virtio-vsock devices"),
+    ("vm.add-vdpa", "vDPA devices"),
+    ("vm.add-device", "VFIO device passthrough"),
+    ("vm.add-user-device", "vfio-user devices"),
+    ("vm.add-generic-vhost-user", "vhost-user devices"),
+    ("vm.snapshot", "VM snapshots"),
+    ("vm.restore", "VM restore"),
+    ("vm.coredump", "guest core dumps"),
+    ("vm.send-migration", "live migration"),
+    ("vm.receive-migration", "live migration"),
+];
+
+/// Upstream's body for a wrong method, and a body missing or unexpected.
+pub fn bad_request() -> ApiError {
+    ApiError::new(400, "Bad Request")
 }
 
-fn no_body(action: &str, body: &[u8]) -> Result<(), ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
+/// Upstream's body for an unknown path.
+pub fn not_found() -> ApiError {
+    ApiError::new(404, "Not Found")
+}
+
+fn is_empty(body: &[u8]) -> bool {
+    body.iter().all(u8::is_ascii_whitespace)
+}
+
+fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if is_empty(body) {
+        return Err(bad_request());
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError {
+        status: 400,
+        chain: vec!["Failed to deserialize JSON".into(), e.to_string()],
+    })
+}
+
+fn no_body(body: &[u8]) -> Result<(), ApiError> {
+    if is_empty(body) {
         Ok(())
     } else {
-        Err(ApiError::new(
-            400,
-            format!("{action}: this action takes no request body"),
-        ))
+        Err(bad_request())
     }
 }
 
-/// The endpoint of `path` (query string ignored): its action and method.
+/// The endpoint of `path`: its action and method. A query string makes
+/// the path unknown, as upstream.
 fn endpoint(path: &str) -> Option<(&'static str, &'static str)> {
-    let path = path.split('?').next().unwrap_or(path);
     let action = path.strip_prefix(PREFIX)?;
     ROUTES.iter().find(|(r, _)| *r == action).copied()
 }
 
-/// The method `path` allows, for the `Allow` header of a 405 answer.
-pub fn allowed_method(path: &str) -> Option<&'static str> {
-    endpoint(path).map(|(_, m)| m)
-}
-
-/// Routes one request. `path` may carry a query string, which no endpoint
-/// uses (it is ignored).
+/// Routes one request.
 pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, ApiError> {
-    let (action, allowed) = endpoint(path).ok_or_else(|| {
-        let path = path.split('?').next().unwrap_or(path);
-        ApiError::new(404, format!("unknown path {path}"))
-    })?;
+    let (action, allowed) = endpoint(path).ok_or_else(not_found)?;
     if method != allowed {
-        return Err(ApiError::new(
-            405,
-            format!("{action}: method {method} not allowed (use {allowed})"),
-        ));
+        return Err(bad_request());
     }
-    let nb = |r: ApiRequest| no_body(action, body).map(|()| r);
+    let nb = |r: ApiRequest| no_body(body).map(|()| r);
+    if let Some(&(_, missing)) = UNSUPPORTED.iter().find(|(a, _)| *a == action) {
+        // The body must still be JSON, as upstream parses it first.
+        json::<Value>(body)?;
+        return Ok(ApiRequest::Unsupported(Unsupported { action, missing }));
+    }
     Ok(match action {
         "vmm.ping" => nb(ApiRequest::VmmPing)?,
         "vmm.shutdown" => nb(ApiRequest::VmmShutdown)?,
-        "vm.create" => ApiRequest::VmCreate(Box::new(json(action, body)?)),
+        "vm.create" => ApiRequest::VmCreate(Box::new(json(body)?)),
         "vm.boot" => nb(ApiRequest::VmBoot)?,
         "vm.info" => nb(ApiRequest::VmInfo)?,
+        "vm.counters" => nb(ApiRequest::VmCounters)?,
         "vm.pause" => nb(ApiRequest::VmPause)?,
         "vm.resume" => nb(ApiRequest::VmResume)?,
         "vm.shutdown" => nb(ApiRequest::VmShutdown)?,
         "vm.reboot" => nb(ApiRequest::VmReboot)?,
+        "vm.power-button" => nb(ApiRequest::VmPowerButton)?,
+        "vm.nmi" => nb(ApiRequest::VmNmi)?,
         "vm.delete" => nb(ApiRequest::VmDelete)?,
-        "vm.add-pmem" => ApiRequest::VmAddPmem(Box::new(json(action, body)?)),
-        "vm.remove-device" => ApiRequest::VmRemoveDevice(json(action, body)?),
-        "vm.pmem-snapshot" => ApiRequest::PmemSnapshot(json(action, body)?),
-        "vm.pmem-overlay" => ApiRequest::PmemOverlay(json(action, body)?),
-        "vm.pmem-rollback" => ApiRequest::PmemRollback(json(action, body)?),
-        "vm.pmem-snapshot-delete" => ApiRequest::PmemSnapshotDelete(json(action, body)?),
-        "vm.pmem-flush" => ApiRequest::PmemFlush(json(action, body)?),
+        "vm.resize" => ApiRequest::VmResize(json(body)?),
+        "vm.add-pmem" => ApiRequest::VmAddPmem(Box::new(json(body)?)),
+        "vm.remove-device" => ApiRequest::VmRemoveDevice(json(body)?),
+        "vm.pmem-snapshot" => ApiRequest::PmemSnapshot(json(body)?),
+        "vm.pmem-overlay" => ApiRequest::PmemOverlay(json(body)?),
+        "vm.pmem-rollback" => ApiRequest::PmemRollback(json(body)?),
+        "vm.pmem-snapshot-delete" => ApiRequest::PmemSnapshotDelete(json(body)?),
+        "vm.pmem-flush" => ApiRequest::PmemFlush(json(body)?),
         "vm.pmem-info" => nb(ApiRequest::PmemInfo)?,
-        other => return Err(ApiError::new(404, format!("unknown path {PREFIX}{other}"))),
+        _ => return Err(not_found()),
     })
 }
 
@@ -131,21 +182,38 @@ mod tests {
             })
         );
         let e = |m, p, b: &[u8]| route(m, p, b).unwrap_err();
-        assert_eq!(e("GET", "/api/v1/vm.nothing", b"").status, 404);
-        assert_eq!(e("GET", "/api/v2/vmm.ping", b"").status, 404);
-        assert_eq!(e("GET", "/api/v1/", b"").status, 404);
-        assert_eq!(e("PUT", "/api/v1/vmm.ping", b"").status, 405);
-        assert_eq!(e("GET", "/api/v1/vm.boot", b"").status, 405);
-        assert_eq!(allowed_method("/api/v1/vm.boot?x=1"), Some("PUT"));
-        assert_eq!(allowed_method("/api/v1/vm.info"), Some("GET"));
-        assert_eq!(allowed_method("/api/v1/vm.nothing"), None);
-        assert_eq!(e("PUT", "/api/v1/vm.boot", b"{}").status, 400);
-        assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"").status, 400);
-        assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"{").status, 400);
+        let not_found = vec!["Not Found".to_owned()];
+        let bad = vec!["Bad Request".to_owned()];
+        for p in [
+            "/api/v1/vm.nothing",
+            "/api/v2/vmm.ping",
+            "/api/v1/",
+            "/api/v1/vmm.ping?x=1",
+        ] {
+            let err = e("GET", p, b"");
+            assert_eq!((err.status, &err.chain), (404, &not_found), "{p}");
+        }
+        for (m, p) in [
+            ("PUT", "/api/v1/vmm.ping"),
+            ("GET", "/api/v1/vm.boot"),
+            ("POST", "/api/v1/vm.create"),
+            ("DELETE", "/api/v1/vm.info"),
+        ] {
+            let err = e(m, p, b"");
+            assert_eq!((err.status, &err.chain), (400, &bad), "{m} {p}");
+        }
+        // A body where none belongs, none where one does.
+        assert_eq!(e("PUT", "/api/v1/vm.boot", b"{}").chain, bad);
+        assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"").chain, bad);
+        let de = e("PUT", "/api/v1/vm.pmem-snapshot", b"{");
+        assert_eq!(de.status, 400);
+        assert_eq!(de.chain[0], "Failed to deserialize JSON");
+        assert!(de.chain[1].contains("EOF"), "{de:?}");
         assert_eq!(
             e("PUT", "/api/v1/vm.pmem-snapshot", br#"{"id":"p","tag":1}"#).status,
             400
         );
+        // Our own pcow actions stay strict about their fields.
         let unknown = e(
             "PUT",
             "/api/v1/vm.pmem-snapshot",
@@ -153,10 +221,49 @@ mod tests {
         );
         assert_eq!(unknown.status, 400);
         assert!(unknown.chain.join(" ").contains("extra"), "{unknown:?}");
+        // Upstream's are not.
+        assert_eq!(
+            route(
+                "PUT",
+                "/api/v1/vm.remove-device",
+                br#"{"id":"p","future":true}"#
+            )
+            .unwrap(),
+            ApiRequest::VmRemoveDevice(crate::api::DeviceId { id: "p".into() })
+        );
         assert_eq!(
             e("PUT", "/api/v1/vm.create", br#"{"memory":{"size":"x"}}"#).status,
             400
         );
+        assert_eq!(
+            route("PUT", "/api/v1/vm.resize", br#"{"desired_vcpus":2}"#).unwrap(),
+            ApiRequest::VmResize(crate::api::VmResize {
+                desired_vcpus: Some(2),
+                ..Default::default()
+            })
+        );
+        assert_eq!(
+            e("PUT", "/api/v1/vm.resize", br#"{"desired_vcpus":-1}"#).status,
+            400
+        );
+    }
+
+    /// Endpoints of devices we do not have parse their body, then become
+    /// a refusal the VMM words; never "unknown path".
+    #[test]
+    fn unsupported_endpoints_are_known() {
+        for (action, _) in UNSUPPORTED {
+            let path = format!("{PREFIX}{action}");
+            assert!(endpoint(&path).is_some(), "{action} is routed");
+            match route("PUT", &path, br#"{"path":"/x"}"#).unwrap() {
+                ApiRequest::Unsupported(u) => assert_eq!(u.action, *action),
+                other => panic!("{action}: {other:?}"),
+            }
+            let err = route("PUT", &path, b"{nope").unwrap_err();
+            assert_eq!(err.chain[0], "Failed to deserialize JSON", "{action}");
+            assert_eq!(route("PUT", &path, b"").unwrap_err().status, 400);
+            assert_eq!(route("GET", &path, b"").unwrap_err().status, 400);
+        }
     }
 
     /// The served routes are exactly the ones `docs/openapi.yaml`

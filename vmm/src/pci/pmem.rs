@@ -112,4 +112,16 @@ impl<B: FlushBackend + Send> VirtioDevice for PmemVirtio<B> {
     fn unstall(&mut self) {
         self.device.unstall();
     }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let m = self.device.metrics();
+        vec![
+            ("flushes", m.flushes),
+            ("flush_errors", m.flush_errors),
+            (
+                "malformed_requests",
+                m.malformed_chains + m.unknown_requests,
+            ),
+        ]
+    }
 }

@@ -181,6 +181,11 @@ pub trait VirtioDevice: Send {
     }
     /// Lets a stalled device serve its queues again.
     fn unstall(&mut self) {}
+    /// The device's own counters for `vm.counters` (name, value); none by
+    /// default.
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }
 
 /// Per-queue registers as the driver programs them.
@@ -480,6 +485,17 @@ impl VirtioPciDevice {
         for q in 0..self.queues.len() as u16 {
             self.notify_queue(q);
         }
+    }
+
+    /// The device's counters (`vm.counters`).
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.device.counters()
+    }
+
+    /// BAR 0 as the guest programmed it: its address (`None` before the
+    /// guest assigns one) and its size.
+    pub fn bar(&self) -> (Option<u64>, u64) {
+        (self.config.bar_address(BAR_INDEX), BAR_SIZE)
     }
 
     /// Signals a configuration change (config vector, ISR bit 1).
