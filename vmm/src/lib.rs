@@ -44,6 +44,7 @@ pub mod config;
 pub mod control;
 pub mod cpu;
 pub mod device_tree;
+pub mod event_monitor;
 pub mod irq;
 pub mod legacy;
 pub mod machine;

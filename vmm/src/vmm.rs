@@ -34,6 +34,7 @@ use crate::api::{
 };
 use crate::config::{PmemConfig, ValidationError, VmConfig, MAX_VCPUS};
 use crate::control::{self, Inputs, Outcome};
+use crate::event_monitor::event;
 use crate::machine::{Machine, MachineError, Pmem};
 
 /// The VM's state.
@@ -202,6 +203,7 @@ impl Vmm {
             .config
             .validate()
             .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
+        event("vm", "booting", &[]);
         let mut m = Machine::build(&vm.config, &pmem)
             .map_err(|e| ApiError::with_source(build_status(&e), "building the VM", &e))?;
         m.start()
@@ -210,6 +212,7 @@ impl Vmm {
         log::info!("guest started (boot {})", vm.boots);
         vm.machine = Some(m);
         vm.state = VmState::Running;
+        event("vm", "booted", &[]);
         Ok(None)
     }
 
@@ -225,6 +228,7 @@ impl Vmm {
         vm.state = VmState::Created;
         let failed = control::stop(&mut m)?;
         drop(m);
+        event("vm", "shutdown", &[]);
         if failed > 0 {
             return Err(format!(
                 "{failed} pmem device(s) failed their final barrier"
@@ -283,6 +287,7 @@ impl Vmm {
         if vm.state == VmState::Running {
             m.ctl.pause();
             vm.state = VmState::Paused;
+            event("vm", "paused", &[("reason", &why)]);
         }
         log::warn!("VM paused: {why}; free space, then vm.resume");
         m.pause_reason = Some(why);
@@ -306,16 +311,21 @@ impl Vmm {
             log::info!("space found again: the VM resumes");
             m.pause_reason = None;
         }
+        event("vm", "resuming", &[]);
         m.ctl.resume();
         *state = VmState::Running;
+        event("vm", "resumed", &[]);
         Ok(None)
     }
 
     /// Stops and boots again.
     fn restart(&mut self) -> ApiResult {
+        event("vm", "rebooting", &[]);
         self.stop_machine()
             .map_err(|e| ApiError::new(500, format!("stopping the VM: {e}")))?;
-        self.boot()
+        self.boot()?;
+        event("vm", "rebooted", &[]);
+        Ok(None)
     }
 
     fn serve_api(&mut self) {
@@ -448,7 +458,9 @@ impl Vmm {
         }
         next.validate()
             .map_err(|e| ApiError::with_source(400, "invalid VM config after the resize", &e))?;
+        event("vm", "resizing", &[]);
         vm.config = next;
+        event("vm", "resized", &[]);
         Ok(None)
     }
 
@@ -779,6 +791,7 @@ impl RequestHandler for Vmm {
                 "features": ["kvm", "pcow"],
             }))),
             ApiRequest::VmmShutdown => {
+                event("vmm", "shutdown", &[]);
                 self.exit = Some(VmmExit::Done("vmm.shutdown".into()));
                 Ok(None)
             }
@@ -790,8 +803,10 @@ impl RequestHandler for Vmm {
                 if *state != VmState::Running {
                     return Err(wrong_state(format!("VM is {}, not Running", state.name())));
                 }
+                event("vm", "pausing", &[]);
                 m.ctl.pause();
                 *state = VmState::Paused;
+                event("vm", "paused", &[]);
                 Ok(None)
             }
             ApiRequest::VmResume => self.resume(),
@@ -810,7 +825,9 @@ impl RequestHandler for Vmm {
             ApiRequest::VmDelete => {
                 self.stop_machine()
                     .map_err(|e| ApiError::new(500, format!("shutting the VM down: {e}")))?;
-                self.vm = None;
+                if self.vm.take().is_some() {
+                    event("vm", "deleted", &[]);
+                }
                 Ok(None)
             }
             ApiRequest::VmCounters => self.counters(),
