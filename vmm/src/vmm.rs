@@ -464,9 +464,21 @@ impl Vmm {
         Ok(None)
     }
 
-    /// An upstream endpoint of something this VMM does not have.
+    /// An upstream endpoint of something this VMM does not have: refused
+    /// once the state upstream checks first allows it (a VM for devices,
+    /// a booted VM for snapshots, dumps and sending a migration).
     fn unsupported(&self, u: Unsupported) -> ApiResult {
-        self.vm()?;
+        match u.action {
+            "vm.restore" | "vm.receive-migration" => {}
+            "vm.snapshot" | "vm.coredump" | "vm.send-migration" => {
+                if self.vm.as_ref().is_none_or(|vm| vm.machine.is_none()) {
+                    return Err(not_running());
+                }
+            }
+            _ => {
+                self.vm()?;
+            }
+        }
         Err(ApiError::new(
             400,
             format!("{}: this VMM has no {}", u.action, u.missing),

@@ -385,7 +385,7 @@ impl Answer<'_> {
             // Upstream answers vmm.shutdown 200 with an empty body.
             Ok(None) if matches!(action, Some(ApiRequest::VmmShutdown)) => Answer::Ok(Vec::new()),
             Ok(None) => Answer::NoContent,
-            Ok(Some(v)) => Answer::Ok(serde_json::to_vec(v).unwrap_or_default()),
+            Ok(Some(v)) => Answer::Ok(ascii_json(serde_json::to_vec(v).unwrap_or_default())),
             Err(e) => Answer::Err(e),
         }
     }
@@ -403,7 +403,7 @@ fn response_bytes(answer: &Answer, close: bool) -> Vec<u8> {
         Answer::Ok(b) => (200, Some(b.clone())),
         Answer::Err(e) => (
             e.status,
-            Some(serde_json::to_vec(&e.chain).unwrap_or_default()),
+            Some(ascii_json(serde_json::to_vec(&e.chain).unwrap_or_default())),
         ),
     };
     let connection = if close { "close" } else { "keep-alive" };
@@ -423,6 +423,28 @@ fn response_bytes(answer: &Answer, close: bool) -> Vec<u8> {
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(body.as_deref().unwrap_or_default());
     out
+}
+
+/// `json` with every non-ASCII character as a `\\u` escape. Upstream's
+/// client decodes each 256-byte read as UTF-8 on its own and panics on a
+/// character split between two reads; ASCII cannot be split.
+fn ascii_json(json: Vec<u8>) -> Vec<u8> {
+    if json.is_ascii() {
+        return json;
+    }
+    let text = String::from_utf8_lossy(&json);
+    let mut out = String::with_capacity(json.len() + 16);
+    for c in text.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut units = [0u16; 2];
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+    out.into_bytes()
 }
 
 fn write_response(stream: &mut UnixStream, answer: &Answer, close: bool) -> io::Result<()> {
@@ -496,6 +518,17 @@ mod tests {
         assert_eq!(
             status(b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab"),
             400
+        );
+    }
+
+    #[test]
+    fn answers_are_ascii() {
+        let v = serde_json::json!(["é", "𝄞", "a\"b"]);
+        let out = ascii_json(serde_json::to_vec(&v).unwrap());
+        assert!(out.is_ascii());
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&out).unwrap(),
+            v
         );
     }
 
