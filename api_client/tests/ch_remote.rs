@@ -785,3 +785,40 @@ fn timeout_gives_up() {
         stderr(&out)
     );
 }
+
+/// With `UPSTREAM_CH_REMOTE` naming upstream's ch-remote binary: it sends
+/// byte for byte what the table says for every upstream command (the
+/// table our own client is checked against above). SKIPPED otherwise.
+#[test]
+fn upstream_ch_remote_sends_the_table_bytes() {
+    let Some(theirs) = std::env::var_os("UPSTREAM_CH_REMOTE") else {
+        println!("SKIPPED: UPSTREAM_CH_REMOTE (upstream's ch-remote binary) is not set");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let table: Vec<(Vec<String>, String)> = command_table(&write_config(dir.path()))
+        .into_iter()
+        .filter(|(args, _)| !args[0].starts_with("pmem-"))
+        .collect();
+    let routes: Vec<String> = table
+        .iter()
+        .map(|(_, req)| {
+            let (m, p) = route(req);
+            format!("{m} {p}")
+        })
+        .collect();
+    let routes: Vec<(&str, Vec<u8>)> = routes.iter().map(|r| (r.as_str(), no_content())).collect();
+    let server = FakeServer::start(&routes);
+    for (args, _) in &table {
+        let out = Command::new(&theirs)
+            .arg("--api-socket")
+            .arg(&server.socket)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", stderr(&out));
+    }
+    let expected: Vec<String> = table.into_iter().map(|(_, req)| req).collect();
+    assert_eq!(server.requests(), expected);
+}
