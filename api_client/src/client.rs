@@ -15,9 +15,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Why a request failed.
 ///
-/// [`Error::Server`] is the server's own answer (a 4xx or 5xx status) and
-/// keeps its error chain; every other variant is a local or transport
-/// failure and names the socket.
+/// [`Error::Server`] is the server's own answer (any status but 100, 200
+/// and 204) and keeps its body, the error chain; every other variant is a
+/// local or transport failure and names the socket.
 #[allow(missing_docs)] // the messages document the variants
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -84,9 +84,10 @@ impl Response {
             .map(|(_, v)| v.as_str())
     }
 
-    /// Whether the status is 2xx.
+    /// Whether upstream's client takes the status as success: 100, 200
+    /// or 204 ([`crate::is_success`]).
     pub fn is_success(&self) -> bool {
-        (200..300).contains(&self.status)
+        crate::is_success(self.status)
     }
 }
 

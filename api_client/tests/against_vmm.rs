@@ -81,6 +81,24 @@ fn ch(sock: &Path, args: &[&str]) -> Output {
         .expect("run ch-remote")
 }
 
+/// `create` with the config on standard input, as upstream's default.
+fn create_from_stdin(sock: &Path, config: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ch-remote"))
+        .arg("--api-socket")
+        .arg(sock)
+        .arg("create")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ch-remote");
+    let mut pipe = child.stdin.take().expect("stdin");
+    pipe.write_all(config.as_bytes()).expect("write the config");
+    drop(pipe);
+    child.wait_with_output().expect("wait for ch-remote")
+}
+
 /// Runs a command that must succeed; returns its stdout.
 fn ok(sock: &Path, args: &[&str]) -> String {
     let o = ch(sock, args);
@@ -152,7 +170,12 @@ fn every_command_against_the_vmm() {
         "console": {"mode": "Off"},
     });
     std::fs::write(p("vm.json"), config.to_string()).unwrap();
-    assert_eq!(ok(sock, &["create", &s("vm.json")]), "");
+    let created = create_from_stdin(sock, &config.to_string());
+    assert!(
+        created.status.success() && created.stdout.is_empty(),
+        "create from stdin: {}",
+        String::from_utf8_lossy(&created.stderr)
+    );
     fails(sock, &["create", &s("vm.json")], "already created");
     ok(sock, &["add-pmem", &format!("file={},id=p1", s("b.pcow"))]);
     ok(sock, &["remove-device", "p1"]);
