@@ -16,6 +16,9 @@ const U16: &str = "an integer from 0 to 65535";
 const U32: &str = "an integer from 0 to 4294967295";
 const U64: &str = "an unsigned integer";
 const USIZE: &str = "an unsigned integer";
+/// Highest host CPU number a `queue_affinity` list may name: bounds the
+/// expansion of a range (upstream would try to build any range given).
+const MAX_HOST_CPU: u64 = 65535;
 
 /// `add-pmem`'s syntax, for errors and `--help`.
 pub const PMEM_SYNTAX: &str = "file=<backing_file_path>,size=<persistent_memory_size>,\
@@ -28,6 +31,7 @@ pub const DISK_SYNTAX: &str = "path=<disk_image_path>,readonly=on|off,direct=on|
     bw_one_time_burst=<bytes>,bw_refill_time=<ms>,ops_size=<io_ops>,\
     ops_one_time_burst=<io_ops>,ops_refill_time=<ms>,id=<device_id>,\
     pci_segment=<segment_id>,pci_device_id=<pci_slot>,rate_limit_group=<group_id>,\
+    queue_affinity=<list_of_queue_indices_with_their_associated_cpuset>,\
     serial=<serial_number>,backing_files=on|off,sparse=on|off,\
     image_type=<raw,qcow2,vhd,vhdx,vmdk>,lock_granularity=byte-range|full";
 /// `add-net`'s syntax.
@@ -192,11 +196,24 @@ pub fn add_disk(arg: &str) -> Result<String, OptionError> {
     ];
     own.extend(RATE_KEYS);
     let o = Options::parse(arg, &keys(&own, &PCI_IOMMU))?;
-    if o.has("queue_affinity") {
-        return Err(OptionError::Conflict {
-            what: "`queue_affinity` is not supported by this ch-remote",
+    let affinity = o
+        .affinity_list(
+            "queue_affinity",
+            u16::MAX.into(),
+            MAX_HOST_CPU,
+            "[<queue_index>@[<host_cpu>,...],...] (cpus up to 65535)",
+        )?
+        .map(|list| {
+            list.into_iter()
+                .map(|(queue, cpus)| {
+                    Json::from(
+                        Object::new()
+                            .field("queue_index", queue)
+                            .field("host_cpus", cpus),
+                    )
+                })
+                .collect::<Vec<Json>>()
         });
-    }
     let socket = o.string("socket");
     let image_types = [
         ("vmdk", "FlatVmdk"),
@@ -235,6 +252,7 @@ pub fn add_disk(arg: &str) -> Result<String, OptionError> {
         .field("disable_io_uring", flag("_disable_io_uring", false)?)
         .field("disable_aio", flag("_disable_aio", false)?)
         .some("serial", o.string("serial"))
+        .some("queue_affinity", affinity)
         .field("backing_files", flag("backing_files", false)?)
         .field("sparse", flag("sparse", true)?)
         .field("image_type", image_type.unwrap_or("Unknown"))
@@ -843,6 +861,21 @@ mod tests {
         for (f, arg, want) in cases {
             assert_eq!(f(arg).as_deref(), Ok(*want), "{arg}");
         }
+        let more: &[(Builder, &str, &str)] = &[
+            (add_disk, "path=/d,bw_size=100,bw_refill_time=10", r#"{"pci_segment":0,"path":"/d","readonly":false,"direct":false,"num_queues":1,"queue_size":128,"vhost_user":false,"rate_limiter_config":{"bandwidth":{"size":100,"one_time_burst":0,"refill_time":10},"ops":null},"disable_io_uring":false,"disable_aio":false,"backing_files":false,"sparse":true,"image_type":"Unknown","lock_granularity":"ByteRange"}"#),
+            (add_disk, "path=/d,bw_size=100,bw_refill_time=10,ops_size=5,ops_one_time_burst=2,ops_refill_time=1,rate_limit_group=g", r#"{"pci_segment":0,"path":"/d","readonly":false,"direct":false,"num_queues":1,"queue_size":128,"vhost_user":false,"rate_limit_group":"g","rate_limiter_config":{"bandwidth":{"size":100,"one_time_burst":0,"refill_time":10},"ops":{"size":5,"one_time_burst":2,"refill_time":1}},"disable_io_uring":false,"disable_aio":false,"backing_files":false,"sparse":true,"image_type":"Unknown","lock_granularity":"ByteRange"}"#),
+            (add_disk, "path=/d,queue_affinity=[0@[0,1],1@[2-3]]", r#"{"pci_segment":0,"path":"/d","readonly":false,"direct":false,"num_queues":1,"queue_size":128,"vhost_user":false,"disable_io_uring":false,"disable_aio":false,"queue_affinity":[{"queue_index":0,"host_cpus":[0,1]},{"queue_index":1,"host_cpus":[2,3]}],"backing_files":false,"sparse":true,"image_type":"Unknown","lock_granularity":"ByteRange"}"#),
+            (add_disk, "path=/d,image_type=vmdk,lock_granularity=full,sparse=off,backing_files=on,_disable_io_uring=on", r#"{"pci_segment":0,"path":"/d","readonly":false,"direct":false,"num_queues":1,"queue_size":128,"vhost_user":false,"disable_io_uring":true,"disable_aio":false,"backing_files":true,"sparse":false,"image_type":"FlatVmdk","lock_granularity":"Full"}"#),
+            (add_net, "mac=12:34:56:78:9A:BC,host_mac=02:00:00:00:00:01,mtu=1500,vhost_mode=server,ops_size=5,ops_refill_time=1", r#"{"pci_segment":0,"mac":"12:34:56:78:9a:bc","host_mac":"02:00:00:00:00:01","mtu":1500,"num_queues":2,"queue_size":256,"vhost_user":false,"vhost_mode":"Server","rate_limiter_config":{"bandwidth":null,"ops":{"size":5,"one_time_burst":0,"refill_time":1}},"offload_tso":true,"offload_ufo":true,"offload_csum":true}"#),
+            (add_net, "ip=fe80::1,mask=255.255.255.0", r#"{"pci_segment":0,"ip":"fe80::1","mask":"255.255.255.0","num_queues":2,"queue_size":256,"vhost_user":false,"vhost_mode":"Client","offload_tso":true,"offload_ufo":true,"offload_csum":true}"#),
+            (add_device, "path=/p,x_exclude_mmap_bars=[0,2-3],x_nv_gpudirect_clique=1", r#"{"pci_segment":0,"path":"/p","x_nv_gpudirect_clique":1,"x_exclude_mmap_bars":[0,2,3]}"#),
+            (restore, "source_url=file:///s,zone_updates=[z0@1,z1@0]", r#"{"source_url":"file:///s","prefault":false,"memory_restore_mode":"Copy","net_fds":null,"vfio_fds":null,"iommufd_fd":null,"resume":false,"zone_updates":[{"id":"z0","host_numa_node":1},{"id":"z1","host_numa_node":0}]}"#),
+            (add_generic_vhost_user, "virtio_id=40,socket=/s,queue_sizes=[1]", r#"{"pci_segment":0,"socket":"/s","queue_sizes":[1],"device_type":40}"#),
+            (receive_migration, "receiver_url=tcp:0.0.0.0:6000,memory_mode=postcopy,zone_updates=[a@1]", r#"{"receiver_url":"tcp:0.0.0.0:6000","tls_dir":null,"memory_mode":"Postcopy","vfio_fds":null,"iommufd_fd":null,"zone_updates":[{"id":"a","host_numa_node":1}]}"#),
+        ];
+        for (f, arg, want) in more {
+            assert_eq!(f(arg).as_deref(), Ok(*want), "{arg}");
+        }
         let resizes = [
             (
                 (Some("4"), None, None),
@@ -950,7 +983,11 @@ mod tests {
             (add_device, "fd=3", "`fd` passes file descriptors"),
             (add_device, "path=/p,x_exclude_mmap_bars=[6]", "invalid value `[6]` for `x_exclude_mmap_bars`"),
             (add_disk, "path=/d,image_type=iso", "invalid value `iso` for `image_type`"),
-            (add_disk, "path=/d,queue_affinity=[0@[1]]", "`queue_affinity` is not supported"),
+            (
+                add_disk,
+                "path=/d,queue_affinity=[0@[1-99999]]",
+                "invalid value `[0@[1-99999]]` for `queue_affinity`",
+            ),
             (add_generic_vhost_user, "device_type=iommu,socket=/s,queue_sizes=[1]", "expected a device type other than iommu and watchdog"),
             (add_generic_vhost_user, "device_type=nope,socket=/s,queue_sizes=[1]", "invalid value `nope` for `device_type`"),
             (add_generic_vhost_user, "device_type=fs,socket=/s", "`queue_sizes` is required"),
@@ -1050,6 +1087,8 @@ mod tests {
             "18446744073709551615G",
             "on",
             "x",
+            "queue_affinity",
+            "@[",
             "queue_sizes",
             "x_exclude_mmap_bars",
             "zone_updates",

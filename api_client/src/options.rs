@@ -46,6 +46,9 @@ pub enum OptionError {
 pub const SIZE_EXPECTED: &str = "a size in bytes, or with a K, M or G suffix (512M, 1G)";
 const TOGGLE_EXPECTED: &str = "on, off, true or false";
 
+/// Queue indices, each with its host CPUs.
+pub type Affinity = Vec<(u64, Vec<u64>)>;
+
 /// One parsed option string: the values by key, each key at most once.
 #[derive(Debug)]
 pub struct Options {
@@ -191,6 +194,29 @@ impl Options {
                     let n = parse_uint(n).filter(|n| *n <= max)?;
                     (!name.is_empty() && !name.contains(['[', ']']))
                         .then(|| (unquote(name).to_owned(), n))
+                })
+                .collect()
+        })
+    }
+
+    /// `[0@[0,1],1@[2-3]]`: queue indices (at most `max_index`) each with
+    /// a list of host CPUs (at most `max_cpu`, ranges allowed).
+    pub fn affinity_list(
+        &self,
+        key: &str,
+        max_index: u64,
+        max_cpu: u64,
+        expected: &'static str,
+    ) -> Result<Option<Affinity>, OptionError> {
+        self.convert(key, expected, |v| {
+            let inner = v.strip_prefix('[')?.strip_suffix(']')?;
+            split(inner)
+                .ok()?
+                .iter()
+                .map(|item| {
+                    let (index, cpus) = item.trim().split_once('@')?;
+                    let index = parse_uint(index).filter(|i| *i <= max_index)?;
+                    Some((index, parse_uint_list(cpus, max_cpu)?))
                 })
                 .collect()
         })
@@ -470,6 +496,22 @@ mod tests {
         for s in ["[4-2]", "[1,,2]", "[a]", "[0-99999999999]", "[7]"] {
             let o = parse(&format!("list={s}")).unwrap();
             assert!(o.uint_list("list", 6, "l").is_err(), "{s}");
+        }
+        let o = parse("list=[0@[0,1],1@[2-3],2@4]").unwrap();
+        assert_eq!(
+            o.affinity_list("list", 65535, 65535, "a").unwrap(),
+            Some(vec![(0, vec![0, 1]), (1, vec![2, 3]), (2, vec![4])])
+        );
+        for s in [
+            "[0@[0-99999999]]",
+            "[70000@[1]]",
+            "[0]",
+            "0@[1]",
+            "[x@[1]]",
+            "[0@[]]",
+        ] {
+            let o = parse(&format!("list={s}")).unwrap();
+            assert!(o.affinity_list("list", 65535, 65535, "a").is_err(), "{s}");
         }
         let o = parse("pairs=[z0@1,z1@0]").unwrap();
         assert_eq!(
