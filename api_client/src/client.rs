@@ -15,9 +15,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Why a request failed.
 ///
-/// [`Error::Server`] is the server's own answer (a 4xx or 5xx status) and
-/// keeps its error chain; every other variant is a local or transport
-/// failure and names the socket.
+/// [`Error::Server`] is the server's own answer (any status but 100, 200
+/// and 204) and keeps its body, the error chain; every other variant is a
+/// local or transport failure and names the socket.
 #[allow(missing_docs)] // the messages document the variants
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -47,47 +47,74 @@ pub enum Error {
     },
     #[error("the response body is not UTF-8")]
     NotUtf8,
-    #[error("{method} {endpoint}: the server answered {status} {reason}")]
+    #[error("Server responded with {}", status_name(*status))]
     Server {
         method: Method,
         endpoint: String,
         status: u16,
-        reason: String,
-        /// The server's error chain, outermost first (the JSON array of
-        /// strings it sent; the raw body as one entry if it sent something
-        /// else; empty if it sent nothing).
-        chain: Vec<String>,
+        /// The body as sent (`None` without a `Content-Length`): upstream's
+        /// error chain, a JSON array of strings, outermost first.
+        body: Option<String>,
     },
 }
 
+/// The name upstream's client gives a status code (its `StatusCode`
+/// variants): the codes it knows, `Unknown` for the rest.
+pub fn status_name(status: u16) -> &'static str {
+    match status {
+        100 => "Continue",
+        200 => "Ok",
+        204 => "NoContent",
+        400 => "BadRequest",
+        404 => "NotFound",
+        429 => "TooManyRequests",
+        500 => "InternalServerError",
+        501 => "NotImplemented",
+        _ => "Unknown",
+    }
+}
+
+/// Whether upstream's client takes the status as success: 100, 200, 204.
+pub fn is_success(status: u16) -> bool {
+    matches!(status, 100 | 200 | 204)
+}
+
 impl Error {
-    /// The lines to show a user, outermost first: the server's error chain
-    /// for [`Error::Server`] (or the status line when the server gave no
-    /// chain), otherwise this error and its sources.
+    /// The lines to show a user, outermost first, as upstream's `ch-remote`
+    /// shows them: for [`Error::Server`], `Server responded with <status>`
+    /// then the server's chain (or, when the body is not a JSON array of
+    /// strings, upstream's one `X:` line saying so); otherwise this error
+    /// and its sources.
     ///
     /// ```
     /// let e = api_client::Error::Server {
     ///     method: api_client::Method::Put,
     ///     endpoint: "vm.boot".into(),
-    ///     status: 409,
-    ///     reason: "Conflict".into(),
-    ///     chain: vec!["cannot boot the VM".into(), "the VM is running".into()],
+    ///     status: 500,
+    ///     body: Some(r#"["Error from API","The VM could not boot"]"#.into()),
     /// };
-    /// assert_eq!(e.chain(), ["cannot boot the VM", "the VM is running"]);
+    /// assert_eq!(
+    ///     e.chain(),
+    ///     ["Server responded with InternalServerError", "Error from API", "The VM could not boot"]
+    /// );
     /// ```
     pub fn chain(&self) -> Vec<String> {
-        match self {
-            Error::Server { chain, .. } if !chain.is_empty() => chain.clone(),
-            _ => {
-                let mut lines = vec![self.to_string()];
-                let mut cur = std::error::Error::source(self);
-                while let Some(e) = cur {
-                    lines.push(e.to_string());
-                    cur = e.source();
-                }
-                lines
-            }
+        if let Error::Server { body, .. } = self {
+            let body = body.as_deref().unwrap_or_default();
+            return match serde_json::from_str::<Vec<String>>(body) {
+                Ok(lines) => std::iter::once(self.to_string()).chain(lines).collect(),
+                Err(e) => vec![format!(
+                    "X: Can't get remote's error messages from JSON response: {e}: body='{body}'"
+                )],
+            };
         }
+        let mut lines = vec![self.to_string()];
+        let mut cur = std::error::Error::source(self);
+        while let Some(e) = cur {
+            lines.push(e.to_string());
+            cur = e.source();
+        }
+        lines
     }
 
     /// The HTTP status for [`Error::Server`].
@@ -157,9 +184,10 @@ impl Client {
         self.call(Method::Put, endpoint, Some(&body))
     }
 
-    /// Sends one request and checks the status: a 2xx answer gives its body
-    /// (`None` when empty), anything else is [`Error::Server`] with the
-    /// server's error chain.
+    /// Sends one request and checks the status as upstream's client does:
+    /// 100, 200 and 204 are success and give the body (`None` for a 204 and
+    /// for an answer without `Content-Length`); anything else is
+    /// [`Error::Server`].
     pub fn call(
         &self,
         method: Method,
@@ -167,21 +195,19 @@ impl Client {
         body: Option<&[u8]>,
     ) -> Result<Option<String>, Error> {
         let resp = self.request(method, endpoint, body)?;
-        if !resp.is_success() {
+        let text = match (resp.status, resp.content_length) {
+            (204, _) | (_, None) => None,
+            _ => Some(String::from_utf8(resp.body).map_err(|_| Error::NotUtf8)?),
+        };
+        if !is_success(resp.status) {
             return Err(Error::Server {
                 method,
                 endpoint: endpoint.to_owned(),
                 status: resp.status,
-                reason: resp.reason,
-                chain: error_chain(&resp.body),
+                body: text,
             });
         }
-        if resp.body.is_empty() {
-            return Ok(None);
-        }
-        String::from_utf8(resp.body)
-            .map(Some)
-            .map_err(|_| Error::NotUtf8)
+        Ok(text)
     }
 
     /// Sends one request and returns the response whatever its status.
@@ -241,21 +267,6 @@ impl Client {
             socket: self.socket.clone(),
             timeout: self.timeout.unwrap_or_default(),
         }
-    }
-}
-
-/// The server's error chain from an error body: a JSON array of strings;
-/// anything else non-empty becomes one entry.
-fn error_chain(body: &[u8]) -> Vec<String> {
-    if let Ok(chain) = serde_json::from_slice::<Vec<String>>(body) {
-        return chain;
-    }
-    let text = String::from_utf8_lossy(body);
-    let text = text.trim();
-    if text.is_empty() {
-        Vec::new()
-    } else {
-        vec![text.to_owned()]
     }
 }
 
@@ -334,41 +345,85 @@ mod tests {
             Client::new(&path).get("vmm.ping").unwrap().as_deref(),
             Some("{}")
         );
-        let (_dir, path) = serve_once(Some(b"HTTP/1.1 204 No Content\r\n\r\n"));
+        let (_dir, path) = serve_once(Some(b"HTTP/1.1 204 \r\n\r\n"));
         assert_eq!(Client::new(&path).put("vm.boot").unwrap(), None);
+        let (_dir, path) = serve_once(Some(
+            b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n",
+        ));
+        assert_eq!(Client::new(&path).put("vm.boot").unwrap(), None);
+        // Upstream's vmm.shutdown answer: a 200 with an empty body.
+        let (_dir, path) = serve_once(Some(b"HTTP/1.1 200 \r\nContent-Length: 0\r\n\r\n"));
+        assert_eq!(
+            Client::new(&path).put("vmm.shutdown").unwrap().as_deref(),
+            Some("")
+        );
     }
 
     #[test]
     fn server_error_keeps_the_chain() {
         let (_dir, path) = serve_once(Some(
-            b"HTTP/1.1 409 Conflict\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n\
-              [\"cannot boot the VM\",\"already running\"]",
+            b"HTTP/1.1 500 \r\nContent-Type: application/json\r\nContent-Length: 42\r\n\r\n\
+              [\"Error from API\",\"VM is already running\"]",
         ));
         let e = Client::new(&path).put("vm.boot").unwrap_err();
-        assert_eq!(e.status(), Some(409));
-        assert_eq!(e.chain(), ["cannot boot the VM", "already running"]);
+        assert_eq!(e.status(), Some(500));
         assert_eq!(
-            e.to_string(),
-            "PUT vm.boot: the server answered 409 Conflict"
+            e.chain(),
+            [
+                "Server responded with InternalServerError",
+                "Error from API",
+                "VM is already running"
+            ]
         );
     }
 
     #[test]
-    fn error_chain_fallbacks() {
-        assert_eq!(error_chain(br#"["a","b"]"#), ["a", "b"]);
-        assert_eq!(error_chain(b"plain text\n"), ["plain text"]);
-        assert_eq!(error_chain(br#"{"error":"x"}"#), [r#"{"error":"x"}"#]);
-        assert!(error_chain(b"").is_empty());
-        let e = Error::Server {
+    fn statuses_as_upstream_names_them() {
+        for (code, name) in [
+            (100, "Continue"),
+            (200, "Ok"),
+            (204, "NoContent"),
+            (400, "BadRequest"),
+            (404, "NotFound"),
+            (429, "TooManyRequests"),
+            (500, "InternalServerError"),
+            (501, "NotImplemented"),
+            (201, "Unknown"),
+            (405, "Unknown"),
+            (409, "Unknown"),
+            (413, "Unknown"),
+            (503, "Unknown"),
+        ] {
+            assert_eq!(status_name(code), name);
+            assert_eq!(is_success(code), matches!(code, 100 | 200 | 204), "{code}");
+        }
+        // A 2xx upstream does not know is an error, as in upstream's client.
+        let (_dir, path) = serve_once(Some(b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\n[]"));
+        let e = Client::new(&path).put("vm.boot").unwrap_err();
+        assert_eq!(e.chain(), ["Server responded with Unknown"]);
+    }
+
+    #[test]
+    fn error_bodies_that_are_not_a_chain() {
+        let server = |status, body: Option<&str>| Error::Server {
             method: Method::Get,
             endpoint: "vm.info".into(),
-            status: 404,
-            reason: "Not Found".into(),
-            chain: vec![],
+            status,
+            body: body.map(str::to_owned),
         };
         assert_eq!(
-            e.chain(),
-            ["GET vm.info: the server answered 404 Not Found"]
+            server(404, None).chain(),
+            ["X: Can't get remote's error messages from JSON response: \
+              EOF while parsing a value at line 1 column 0: body=''"]
+        );
+        assert_eq!(
+            server(409, Some("plain")).chain(),
+            ["X: Can't get remote's error messages from JSON response: \
+              expected value at line 1 column 1: body='plain'"]
+        );
+        assert_eq!(
+            server(400, Some("[]")).chain(),
+            ["Server responded with BadRequest"]
         );
     }
 
@@ -420,14 +475,20 @@ mod tests {
         // client is still writing an 8 MiB body: the client must show the
         // 413, not the broken pipe.
         let (_dir, path) = serve_once(Some(
-            b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 31\r\n\r\n[\"request body over 4194304 B\"]",
+            b"HTTP/1.1 413 \r\nContent-Length: 31\r\n\r\n[\"request body over 4194304 B\"]",
         ));
         let body = vec![b' '; 8 << 20];
         let e = Client::new(&path)
             .call(Method::Put, "vm.create", Some(&body))
             .unwrap_err();
         assert_eq!(e.status(), Some(413), "{e:?}");
-        assert_eq!(e.chain(), ["request body over 4194304 B"]);
+        assert_eq!(
+            e.chain(),
+            [
+                "Server responded with Unknown",
+                "request body over 4194304 B"
+            ]
+        );
     }
 
     #[test]

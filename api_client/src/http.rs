@@ -1,10 +1,12 @@
 //! The HTTP/1.1 subset the API speaks: one request out, one response in.
 //!
-//! Requests are written the way upstream's `ch-remote` writes them (`Host:
-//! localhost`, `Accept: */*`), plus `Content-Type: application/json` when
-//! there is a body and `Content-Length` always. Responses are framed by
-//! `Content-Length`, or run to the end of the connection when there is none;
-//! 1xx, 204 and 304 have no body. Chunked transfer coding is refused.
+//! Requests are written byte for byte as upstream's `ch-remote` writes
+//! them: `Host: localhost`, `Accept: */*`, and `Content-Length` only when
+//! there is a body (no `Content-Type`). Responses are read as upstream's
+//! client reads them where it matters to a script: a body exists only when
+//! the answer has a `Content-Length`, so `ch-remote` prints the body of a
+//! 200, even an empty one, and nothing for a 204 (which never has a body). The status line may carry a reason phrase (`200 OK`) or not
+//! (upstream's `200 `). Chunked transfer coding is refused.
 
 use std::fmt;
 use std::io::{self, Read};
@@ -17,7 +19,7 @@ pub const MAX_BODY_LEN: u64 = 16 << 20;
 /// The two methods the API uses: GET for queries, PUT for actions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Method {
-    /// A query (`vmm.ping`, `vm.info`, `vm.pmem-info`).
+    /// A query (`vmm.ping`, `vm.info`, `vm.counters`, `vm.pmem-info`).
     Get,
     /// An action.
     Put,
@@ -37,22 +39,23 @@ impl fmt::Display for Method {
 /// ```
 /// use api_client::{encode_request, Method};
 /// let req = encode_request(Method::Put, "vm.boot", None);
+/// assert_eq!(req, b"PUT /api/v1/vm.boot HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n");
+/// let req = encode_request(Method::Put, "vm.remove-device", Some(br#"{"id":"p1"}"#));
 /// assert_eq!(
 ///     req,
-///     b"PUT /api/v1/vm.boot HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\
-///       Content-Length: 0\r\n\r\n"
+///     &b"PUT /api/v1/vm.remove-device HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\
+///        Content-Length: 11\r\n\r\n{\"id\":\"p1\"}"[..]
 /// );
 /// ```
 pub fn encode_request(method: Method, endpoint: &str, body: Option<&[u8]>) -> Vec<u8> {
     let mut out =
         format!("{method} /api/v1/{endpoint} HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n")
             .into_bytes();
-    if body.is_some() {
-        out.extend_from_slice(b"Content-Type: application/json\r\n");
+    if let Some(body) = body {
+        out.extend_from_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
     }
-    let body = body.unwrap_or_default();
-    out.extend_from_slice(format!("Content-Length: {}\r\n\r\n", body.len()).as_bytes());
-    out.extend_from_slice(body);
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body.unwrap_or_default());
     out
 }
 
@@ -65,8 +68,11 @@ pub struct Response {
     pub reason: String,
     /// The headers in order, names as sent.
     pub headers: Vec<(String, String)>,
-    /// The body (empty for 204).
+    /// The body: what the `Content-Length` framed (empty without one).
     pub body: Vec<u8>,
+    /// The `Content-Length` the answer carried, if any: whether a 200 has
+    /// a body at all, which is what upstream's client goes by.
+    pub content_length: Option<u64>,
 }
 
 impl Response {
@@ -78,9 +84,10 @@ impl Response {
             .map(|(_, v)| v.as_str())
     }
 
-    /// Whether the status is 2xx.
+    /// Whether upstream's client takes the status as success: 100, 200
+    /// or 204 ([`crate::is_success`]).
     pub fn is_success(&self) -> bool {
-        (200..300).contains(&self.status)
+        crate::is_success(self.status)
     }
 }
 
@@ -164,8 +171,12 @@ pub fn read_response<R: Read>(r: &mut R) -> Result<Response, ResponseError> {
         reason,
         headers,
         body: Vec::new(),
+        content_length: None,
     };
+    let length = content_length(&resp.headers)?;
     if matches!(status, 100..=199 | 204 | 304) {
+        // No body, whatever the headers say.
+        resp.content_length = length;
         return Ok(resp);
     }
     if let Some(te) = resp.header("Transfer-Encoding") {
@@ -176,7 +187,7 @@ pub fn read_response<R: Read>(r: &mut R) -> Result<Response, ResponseError> {
         }
     }
     let mut body = buf.split_off(body_start);
-    match content_length(&resp.headers)? {
+    match length {
         Some(len) => {
             if len > MAX_BODY_LEN {
                 return Err(ResponseError::BodyTooLong {
@@ -196,20 +207,11 @@ pub fn read_response<R: Read>(r: &mut R) -> Result<Response, ResponseError> {
             // Anything after the announced length is not ours.
             body.truncate(len as usize);
         }
-        None => loop {
-            // No length: the body runs to the end of the connection.
-            if body.len() as u64 > MAX_BODY_LEN {
-                return Err(ResponseError::BodyTooLong {
-                    limit: MAX_BODY_LEN,
-                });
-            }
-            let n = read_some(r, &mut chunk)?;
-            if n == 0 {
-                break;
-            }
-            body.extend_from_slice(&chunk[..n]);
-        },
+        // No length: no body, as upstream's client reads it (it stops at
+        // the end of the head).
+        None => body.clear(),
     }
+    resp.content_length = length;
     resp.body = body;
     Ok(resp)
 }
@@ -321,38 +323,24 @@ mod tests {
     }
 
     #[test]
-    fn request_without_body() {
+    fn requests_are_upstreams_bytes() {
+        // Captured from upstream's ch-remote v54 (docs/api.md).
         assert_eq!(
             encode_request(Method::Get, "vmm.ping", None),
-            b"GET /api/v1/vmm.ping HTTP/1.1\r\n\
-              Host: localhost\r\n\
-              Accept: */*\r\n\
-              Content-Length: 0\r\n\
-              \r\n"
+            b"GET /api/v1/vmm.ping HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n"
         );
         assert_eq!(
             encode_request(Method::Put, "vm.shutdown", None),
-            b"PUT /api/v1/vm.shutdown HTTP/1.1\r\n\
-              Host: localhost\r\n\
-              Accept: */*\r\n\
-              Content-Length: 0\r\n\
-              \r\n"
+            b"PUT /api/v1/vm.shutdown HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n"
         );
-    }
-
-    #[test]
-    fn request_with_body() {
-        let body = br#"{"id":"disk0","tag":"before"}"#;
-        let mut expected = b"PUT /api/v1/vm.pmem-snapshot HTTP/1.1\r\n\
-              Host: localhost\r\n\
-              Accept: */*\r\n\
-              Content-Type: application/json\r\n\
-              Content-Length: 29\r\n\
-              \r\n"
+        let body =
+            br#"{"id":"p1","pci_segment":0,"file":"F","size":4194304,"discard_writes":false}"#;
+        let mut expected = b"PUT /api/v1/vm.add-pmem HTTP/1.1\r\nHost: localhost\r\n\
+              Accept: */*\r\nContent-Length: 76\r\n\r\n"
             .to_vec();
         expected.extend_from_slice(body);
         assert_eq!(
-            encode_request(Method::Put, "vm.pmem-snapshot", Some(body)),
+            encode_request(Method::Put, "vm.add-pmem", Some(body)),
             expected
         );
     }
@@ -381,11 +369,38 @@ mod tests {
         let r = parse(b"HTTP/1.1 204 No Content\r\n\r\n").unwrap();
         assert_eq!((r.status, r.reason.as_str()), (204, "No Content"));
         assert!(r.body.is_empty());
-        // A 204 never has a body, whatever the headers say; the status line
-        // may lack a reason.
+        assert_eq!(r.content_length, None);
+        // Upstream's status line: no reason phrase, a space before the end.
+        let r = parse(b"HTTP/1.1 204 \r\n\r\n").unwrap();
+        assert_eq!(
+            (r.status, r.reason.as_str(), r.content_length),
+            (204, "", None)
+        );
+        // A 204 never has a body, whatever the headers say.
         let r = parse(b"HTTP/1.1 204\r\nContent-Length: 5\r\n\r\n").unwrap();
         assert_eq!((r.status, r.reason.as_str()), (204, ""));
         assert!(r.body.is_empty());
+        assert_eq!(r.content_length, Some(5));
+    }
+
+    #[test]
+    fn upstream_status_lines() {
+        let r = parse(
+            b"HTTP/1.1 200 \r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+        )
+        .unwrap();
+        assert_eq!(
+            (r.status, r.reason.as_str(), r.body.as_slice()),
+            (200, "", &b"{}"[..])
+        );
+        assert_eq!(r.content_length, Some(2));
+        let r = parse(b"HTTP/1.1 200 \r\nContent-Length: 0\r\n\r\n").unwrap();
+        assert_eq!((r.status, r.content_length), (200, Some(0)));
+        let r = parse(b"HTTP/1.1 500 \r\nContent-Length: 18\r\n\r\n[\"Error from API\"]").unwrap();
+        assert_eq!(
+            (r.status, r.body.as_slice()),
+            (500, &br#"["Error from API"]"#[..])
+        );
     }
 
     #[test]
@@ -415,11 +430,11 @@ mod tests {
     }
 
     #[test]
-    fn body_to_eof_without_length() {
+    fn no_length_means_no_body() {
+        // As upstream's client: without Content-Length the head is all.
         let r = parse_trickle(b"HTTP/1.0 200 OK\r\n\r\n[1,2,3]", 2).unwrap();
-        assert_eq!(r.body, b"[1,2,3]");
-        let r = parse(b"HTTP/1.1 200 OK\r\n\r\n").unwrap();
         assert!(r.body.is_empty());
+        assert_eq!(r.content_length, None);
     }
 
     #[test]

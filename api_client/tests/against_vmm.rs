@@ -81,6 +81,24 @@ fn ch(sock: &Path, args: &[&str]) -> Output {
         .expect("run ch-remote")
 }
 
+/// `create` with the config on standard input, as upstream's default.
+fn create_from_stdin(sock: &Path, config: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ch-remote"))
+        .arg("--api-socket")
+        .arg(sock)
+        .arg("create")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run ch-remote");
+    let mut pipe = child.stdin.take().expect("stdin");
+    pipe.write_all(config.as_bytes()).expect("write the config");
+    drop(pipe);
+    child.wait_with_output().expect("wait for ch-remote")
+}
+
 /// Runs a command that must succeed; returns its stdout.
 fn ok(sock: &Path, args: &[&str]) -> String {
     let o = ch(sock, args);
@@ -152,7 +170,12 @@ fn every_command_against_the_vmm() {
         "console": {"mode": "Off"},
     });
     std::fs::write(p("vm.json"), config.to_string()).unwrap();
-    assert_eq!(ok(sock, &["create", &s("vm.json")]), "");
+    let created = create_from_stdin(sock, &config.to_string());
+    assert!(
+        created.status.success() && created.stdout.is_empty(),
+        "create from stdin: {}",
+        String::from_utf8_lossy(&created.stderr)
+    );
     fails(sock, &["create", &s("vm.json")], "already created");
     ok(sock, &["add-pmem", &format!("file={},id=p1", s("b.pcow"))]);
     ok(sock, &["remove-device", "p1"]);
@@ -163,31 +186,37 @@ fn every_command_against_the_vmm() {
     ok(sock, &["pause"]);
     assert_eq!(json(&ok(sock, &["info"]))["state"], "Paused");
     ok(sock, &["resume"]);
-    let snap = json(&ok(sock, &["pmem-snapshot", "p0", "first"]));
+    let snap = json(&ok(sock, &["pmem-snapshot", "id=p0,tag=first"]));
     assert_eq!(snap["snapshot"]["tag"], "first");
-    fails(sock, &["pmem-snapshot", "p0", "first"], "first");
+    fails(sock, &["pmem-snapshot", "id=p0,tag=first"], "first");
     let flush = json(&ok(sock, &["pmem-flush", "p0"]));
     assert_eq!(flush["id"], "p0");
     let info = json(&ok(sock, &["pmem-info"]));
     assert_eq!(info[0]["snapshots"][0]["tag"], "first");
     assert_eq!(info[1]["id"], "p1");
-    fails(sock, &["pmem-rollback", "p0", "first"], "reset");
-    let rb = json(&ok(sock, &["pmem-rollback", "p0", "first", "--reset"]));
+    fails(sock, &["pmem-rollback", "id=p0,snapshot=first"], "reset");
+    let rb = json(&ok(
+        sock,
+        &["pmem-rollback", "id=p0,snapshot=first,reset=on"],
+    ));
     assert_eq!(rb["snapshot"]["tag"], "first");
-    let ov = json(&ok(sock, &["pmem-overlay", "p0", &s("ov.pcow")]));
+    let ov = json(&ok(
+        sock,
+        &["pmem-overlay", &format!("id=p0,file={}", s("ov.pcow"))],
+    ));
     assert_eq!(ov["base"], "a.pcow");
-    ok(sock, &["pmem-snapshot", "p0", "on-overlay"]);
-    ok(sock, &["pmem-snapshot-delete", "p0", "on-overlay"]);
+    ok(sock, &["pmem-snapshot", "id=p0,tag=on-overlay"]);
+    ok(sock, &["pmem-snapshot-delete", "id=p0,snapshot=on-overlay"]);
     fails(
         sock,
-        &["pmem-snapshot-delete", "p0", "on-overlay"],
+        &["pmem-snapshot-delete", "id=p0,snapshot=on-overlay"],
         "on-overlay",
     );
     fails(sock, &["pmem-flush", "nope"], "nope");
     ok(sock, &["reboot"]);
     ok(sock, &["shutdown"]);
     assert_eq!(json(&ok(sock, &["info"]))["state"], "Shutdown");
-    ok(sock, &["pmem-snapshot", "p1", "offline"]);
+    ok(sock, &["pmem-snapshot", "id=p1,tag=offline"]);
     ok(sock, &["delete"]);
     fails(sock, &["info"], "no VM");
     ok(sock, &["shutdown-vmm"]);

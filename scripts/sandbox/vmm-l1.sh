@@ -602,11 +602,11 @@ sc9_snap() {
     until_ 60 synced_ge $L/s9-live.log "$2" \
         || { why="s9-live: no SYNCED $2 before the $1 request (last SYNCED $(last_synced $L/s9-live.log)$(alive $pid || echo ", the VMM is gone: the guest's $N9 files done before L1's API work? raise VMMSC_S9_FILES"))"; return 1; }
     r_=$(last_synced $L/s9-live.log)
-    api snapshot-$1 pmem-snapshot _pmem0 "$1"
+    api snapshot-$1 pmem-snapshot "id=_pmem0,tag=$1"
     p_=$(last_synced $L/s9-live.log)
     eval "rec_$1=$r_ post_$1=$p_"
     echo "VMMSC-INFO 9 snap_$1=$r_ snap_$1_post=$p_"
-    [ $arc -eq 0 ] || { why="s9-live: pmem-snapshot _pmem0 $1: rc=$arc ($(api_err snapshot-$1))"; return 1; }
+    [ $arc -eq 0 ] || { why="s9-live: pmem-snapshot id=_pmem0,tag=$1: rc=$arc ($(api_err snapshot-$1))"; return 1; }
     [ "$(json_tags snapshot-$1)" = "$1" ] || { why="s9-live: pmem-snapshot $1 answered '$(flat_json snapshot-$1 | cut -c1-150)'"; return 1; }
 }
 
@@ -624,9 +624,9 @@ sc9_live_api() {
     [ "$tb" = "s1 s2" ] && [ "$cb" -eq 1 ] || { why="s9-live: pmem-info before the overlay: snapshots '$tb' (expected 's1 s2'), chain of $cb (expected 1)"; return 1; }
     until_ 60 synced_ge $L/s9-live.log $((rec_s2 + 2)) || { why="s9-live: no SYNCED $((rec_s2 + 2)) before the overlay"; return 1; }
     rec_ov=$(last_synced $L/s9-live.log)
-    api overlay pmem-overlay _pmem0 /tmp/s9ov.pcow
+    api overlay pmem-overlay id=_pmem0,file=/tmp/s9ov.pcow
     echo "VMMSC-INFO 9 overlay_after=$rec_ov"
-    [ $arc -eq 0 ] || { why="s9-live: pmem-overlay _pmem0 /tmp/s9ov.pcow: rc=$arc ($(api_err overlay))"; return 1; }
+    [ $arc -eq 0 ] || { why="s9-live: pmem-overlay id=_pmem0,file=/tmp/s9ov.pcow: rc=$arc ($(api_err overlay))"; return 1; }
     flat_json overlay | grep -q '"base":"[^"]*s9.pcow"' || { why="s9-live: pmem-overlay answered '$(flat_json overlay | cut -c1-150)', no base s9.pcow"; return 1; }
     sc9_snap s3 $((rec_ov + 3)) || return 1
     api info-ov pmem-info
@@ -696,13 +696,13 @@ sc9_reset_api() {
         || { why="s9-reset: boot 1 never said GUEST-S9-WAIT-RESET$(guest_said s9-reset)"; return 1; }
     api reset-ping0 ping
     pid0=$(json_pid reset-ping0)
-    api rollback-noreset pmem-rollback _pmem0 s3
-    [ $arc -eq 1 ] || { why="s9-reset: pmem-rollback _pmem0 s3 without --reset on a running VM: rc=$arc, expected 1 (409)"; return 1; }
+    api rollback-noreset pmem-rollback id=_pmem0,snapshot=s3
+    [ $arc -eq 1 ] || { why="s9-reset: pmem-rollback id=_pmem0,snapshot=s3 without reset on a running VM: rc=$arc, expected 1 (409)"; return 1; }
     grep -qi 'reset' $L/api-rollback-noreset.err || { why="s9-reset: the refused rollback's message does not mention reset: $(api_err rollback-noreset)"; return 1; }
     api info-noreset info
     [ "$(json_state info-noreset)" = Running ] || { why="s9-reset: after the refused rollback the state is '$(json_state info-noreset)'"; return 1; }
-    api rollback-reset pmem-rollback _pmem0 s3 --reset
-    [ $arc -eq 0 ] && [ "$(json_tags rollback-reset)" = s3 ] || { why="s9-reset: pmem-rollback _pmem0 s3 --reset: rc=$arc ($(api_err rollback-reset)$(flat_json rollback-reset | cut -c1-100))"; return 1; }
+    api rollback-reset pmem-rollback id=_pmem0,snapshot=s3,reset=on
+    [ $arc -eq 0 ] && [ "$(json_tags rollback-reset)" = s3 ] || { why="s9-reset: pmem-rollback id=_pmem0,snapshot=s3,reset=on: rc=$arc ($(api_err rollback-reset)$(flat_json rollback-reset | cut -c1-100))"; return 1; }
     api info-reset info
     [ $arc -eq 0 ] && [ "$(json_state info-reset)" = Running ] || { why="s9-reset: info after the reset: rc=$arc, state '$(json_state info-reset)', expected Running"; return 1; }
     api reset-ping1 ping
@@ -833,13 +833,13 @@ sc11() {
         ov=
         apid=
         case $op in
-            1) ./ch-remote --api-socket $SOCK --timeout 30 pmem-snapshot _pmem0 "k$i" >$L/s11-api.out 2>&1 &
+            1) ./ch-remote --api-socket $SOCK --timeout 30 pmem-snapshot "id=_pmem0,tag=k$i" >$L/s11-api.out 2>&1 &
                apid=$! ;;
             2) ov=/tmp/s11-ov$i.pcow
-               ./ch-remote --api-socket $SOCK --timeout 30 pmem-overlay _pmem0 $ov >$L/s11-api.out 2>&1 &
+               ./ch-remote --api-socket $SOCK --timeout 30 pmem-overlay "id=_pmem0,file=$ov" >$L/s11-api.out 2>&1 &
                apid=$! ;;
             3) victim=${snaps%% *}
-               ./ch-remote --api-socket $SOCK --timeout 30 pmem-snapshot-delete _pmem0 "$victim" >$L/s11-api.out 2>&1 &
+               ./ch-remote --api-socket $SOCK --timeout 30 pmem-snapshot-delete "id=_pmem0,snapshot=$victim" >$L/s11-api.out 2>&1 &
                apid=$! ;;
         esac
         until_ 60 synced_ge $L/s11.log $kill_at || true
