@@ -161,7 +161,7 @@ fn every_command_against_the_vmm() {
 
     let ping = json(&ok(sock, &["ping"]));
     assert!(ping["pid"].as_u64().is_some(), "{ping}");
-    fails(sock, &["info"], "no VM");
+    fails(sock, &["info"], "VM is not created");
     let config = serde_json::json!({
         "payload": {"kernel": s("vmlinux")},
         "memory": {"size": 64 << 20},
@@ -215,10 +215,10 @@ fn every_command_against_the_vmm() {
     fails(sock, &["pmem-flush", "nope"], "nope");
     ok(sock, &["reboot"]);
     ok(sock, &["shutdown"]);
-    assert_eq!(json(&ok(sock, &["info"]))["state"], "Shutdown");
+    assert_eq!(json(&ok(sock, &["info"]))["state"], "Created");
     ok(sock, &["pmem-snapshot", "id=p1,tag=offline"]);
     ok(sock, &["delete"]);
-    fails(sock, &["info"], "no VM");
+    fails(sock, &["info"], "VM is not created");
     ok(sock, &["shutdown-vmm"]);
 
     // The images: clean, with what the commands made of them.
