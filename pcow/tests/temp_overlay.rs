@@ -264,6 +264,11 @@ fn killed_holders_leave_nothing_behind() {
         // and other temporary overlays are not.
         assert!(locked_for_writers(&base), "{mode}");
         drop(ro(&base));
+        // pcow-img: writers refused, readers served.
+        fails(dir.path(), &["snapshot", "-c", "s", "base.pcow"], "in use");
+        fails(dir.path(), &["resize", "base.pcow", "8M"], "in use");
+        ok(dir.path(), &["info", "base.pcow"]);
+        ok(dir.path(), &["check", "base.pcow"]);
         drop(Image::create_temporary(&base, &TempOptions::default()).unwrap());
         assert_eq!(listing(dir.path()), files, "{mode}");
         // SIGKILL: no close, no cleanup code runs.
