@@ -71,9 +71,23 @@ impl Storage for VolatileStorage {
     }
 }
 
+/// A name no file of this process has used: `.NAME.discard-PID-N`.
+fn unique_name(file_name: &str) -> String {
+    format!(
+        ".{file_name}.discard-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Names tried before giving up on a directory full of leftovers (files
+/// of a crashed process whose id this one now has).
+const NAME_TRIES: usize = 16;
+
 /// Opens a new file in `dir` that has no name: `O_TMPFILE`, or a unique
-/// name unlinked at once. `name` is what the file is called in messages.
-fn create_unlinked(dir: &Path, name: &Path, named: bool) -> Result<File> {
+/// name unlinked at once. Returns it and the name it is called by in
+/// messages.
+fn create_unlinked(dir: &Path, file_name: &str, named: bool) -> Result<(File, String)> {
     if !named {
         match FsOpenOptions::new()
             .read(true)
@@ -82,7 +96,7 @@ fn create_unlinked(dir: &Path, name: &Path, named: bool) -> Result<File> {
             .custom_flags(libc::O_TMPFILE)
             .open(dir)
         {
-            Ok(f) => return Ok(f),
+            Ok(f) => return Ok((f, unique_name(file_name))),
             // No O_TMPFILE in this kernel (EISDIR) or file system.
             Err(e)
                 if matches!(
@@ -98,15 +112,28 @@ fn create_unlinked(dir: &Path, name: &Path, named: bool) -> Result<File> {
             Err(e) => return Err(io_err(dir, "creating a temporary overlay in")(e)),
         }
     }
-    let file = FsOpenOptions::new()
-        .read(true)
-        .write(true)
-        .mode(0o600)
-        .create_new(true)
-        .open(name)
-        .map_err(io_err(name, "creating"))?;
-    std::fs::remove_file(name).map_err(io_err(name, "unlinking the temporary overlay"))?;
-    Ok(file)
+    let mut tries = 0;
+    loop {
+        let unique = unique_name(file_name);
+        let path = dir.join(&unique);
+        match FsOpenOptions::new()
+            .read(true)
+            .write(true)
+            .mode(0o600)
+            .create_new(true)
+            .open(&path)
+        {
+            Ok(file) => {
+                std::fs::remove_file(&path)
+                    .map_err(io_err(&path, "unlinking the temporary overlay"))?;
+                return Ok((file, unique));
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && tries + 1 < NAME_TRIES => {
+                tries += 1;
+            }
+            Err(e) => return Err(io_err(&path, "creating")(e)),
+        }
+    }
 }
 
 impl Image {
@@ -134,14 +161,8 @@ impl Image {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let unique = format!(
-            ".{file_name}.discard-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        );
-        let created = dir.join(&unique);
+        let (file, unique) = create_unlinked(&dir, &file_name, opts.named)?;
         let shown = dir.join(format!("{unique} (deleted)"));
-        let file = create_unlinked(&dir, &created, opts.named)?;
         lock_file(&file, &shown, true)?;
 
         // The stored name is never used to open the base (the chain opened

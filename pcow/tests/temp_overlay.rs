@@ -282,3 +282,34 @@ fn killed_holders_leave_nothing_behind() {
         assert!(report.is_clean(), "{report:?}");
     });
 }
+
+#[test]
+fn leftover_names_are_skipped_and_a_directory_full_of_them_is_an_error() {
+    let dir = tmp();
+    let base = chain(dir.path());
+    let pid = std::process::id();
+    // Files of a crashed process whose id this one now has: every name
+    // this process could pick, but one in eight.
+    let leftover = |n: u64| dir.path().join(format!(".base.pcow.discard-{pid}-{n}"));
+    for n in (0..4096).filter(|n| n % 8 != 7) {
+        std::fs::write(leftover(n), b"leftover").unwrap();
+    }
+    let files = listing(dir.path());
+    let named = TempOptions {
+        dir: None,
+        named: true,
+    };
+    let mut t = Image::create_temporary(&base, &named).unwrap();
+    t.write_at(b"mine", 0).unwrap();
+    assert_eq!(read(&t, 0, 4), b"mine");
+    drop(t);
+    assert_eq!(listing(dir.path()), files, "leftovers kept, nothing added");
+    // Every name taken: a clear error, nothing removed.
+    for n in (0..4096).filter(|n| n % 8 == 7) {
+        std::fs::write(leftover(n), b"leftover").unwrap();
+    }
+    let files = listing(dir.path());
+    let e = Image::create_temporary(&base, &named).unwrap_err();
+    assert!(e.to_string().contains(".base.pcow.discard-"), "{e}");
+    assert_eq!(listing(dir.path()), files);
+}
