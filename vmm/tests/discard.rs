@@ -184,6 +184,21 @@ fn listing(dir: &Path) -> Vec<String> {
     v
 }
 
+/// The unlinked files in `dir` the process has open (distinct files: the
+/// pool worker holds a second descriptor of its overlay).
+fn open_unlinked(pid: u32, dir: &Path) -> usize {
+    let dir = dir.canonicalize().unwrap();
+    let mut targets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.starts_with(&dir) && t.to_string_lossy().ends_with(" (deleted)"))
+        .map(|t| t.to_string_lossy().into_owned())
+        .collect();
+    targets.sort();
+    targets.dedup();
+    targets.len()
+}
+
 fn writer_refused(path: &Path) -> bool {
     matches!(
         Image::open(path, OpenOptions::read_write()),
@@ -282,13 +297,21 @@ fn two_vmms_share_an_image_with_discard_writes_and_leave_it_untouched() {
 
     // A reboot builds a new machine: a new overlay, the old one gone.
     let before = a.chain()[0].clone();
+    assert_eq!(open_unlinked(a.child.id(), images.path()), 1);
     expect(&a.sock, "PUT", "vm.reboot", None, 204);
     let after = a.chain()[0].clone();
     assert_ne!(before, after, "a new overlay after the reboot");
+    assert_eq!(
+        open_unlinked(a.child.id(), images.path()),
+        1,
+        "the old overlay is closed"
+    );
     assert_eq!(listing(images.path()), files);
 
-    // a shuts its VM down: b still holds the image.
+    // a shuts its VM down (its overlay goes): b still holds the image.
     expect(&a.sock, "PUT", "vm.shutdown", None, 204);
+    assert_eq!(open_unlinked(a.child.id(), images.path()), 0);
+    assert_eq!(open_unlinked(b.child.id(), images.path()), 1);
     assert!(writer_refused(&img), "b still runs on it");
     // b is killed: nothing is left, the lock goes with the process.
     b.child.kill().unwrap();
