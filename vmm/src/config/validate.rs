@@ -19,9 +19,10 @@
 //! - each pmem file exists, is a regular file, and no two devices use the
 //!   same file (*ours*); a pcow image (recognised by its magic) opens with
 //!   its chain, has a virtual size that is a multiple of 2 MiB, and `size=`
-//!   equals that virtual size (with `discard_writes` the guest writes into
-//!   a temporary overlay, see [`crate::machine`]); a raw file's device size (`size=`,
-//!   else the file's length) is a non-zero multiple of 2 MiB; `size=`
+//!   equals that virtual size (with `discard_writes` the guest writes
+//!   into a temporary overlay, see [`crate::machine`]); a raw file's
+//!   device size (`size=`, else the file's length) is a non-zero multiple
+//!   of 2 MiB; `size=`
 //!   larger than a raw file is refused (*ours*: upstream maps past the end
 //!   of the file and the guest faults there; it grows only its temporary
 //!   files).
