@@ -179,6 +179,8 @@ pub struct Image {
     pub(crate) dirty_at_open: bool,
     pub(crate) findings: Vec<FormatError>,
     pub(crate) base: Option<Box<Backing>>,
+    /// An unlinked overlay made by [`Image::create_temporary`].
+    pub(crate) temporary: bool,
     closed: bool,
 }
 
@@ -302,6 +304,7 @@ impl Image {
             uncommitted_at_open: 0,
             findings: Vec::new(),
             base: None,
+            temporary: false,
             // Nothing may be written back until the open succeeds: a
             // refused image must be left exactly as it was.
             closed: true,
@@ -532,6 +535,11 @@ impl Image {
     /// Whether this handle may write.
     pub fn is_writable(&self) -> bool {
         self.writable
+    }
+    /// Whether this is a temporary overlay ([`Image::create_temporary`]):
+    /// an unlinked file whose content goes when it closes.
+    pub fn is_temporary(&self) -> bool {
+        self.temporary
     }
     /// The header as the next barrier will write it.
     pub fn header(&self) -> &Header {

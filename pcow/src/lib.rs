@@ -36,6 +36,7 @@ pub mod ops;
 mod scan;
 mod slot_ends;
 mod snapshot;
+mod temp;
 
 pub use chain::{open_base_writable, resolve_base, Backing, RawImage};
 pub use error::{Error, Result};
@@ -44,3 +45,4 @@ pub use image::{
     is_pcow, ActiveCluster, ClusterSource, CreateOptions, Extent, Image, OpenOptions, PageLocation,
     Preallocation, SnapshotInfo, DEFAULT_CLUSTER_SIZE,
 };
+pub use temp::TempOptions;

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
+use pcow::TempOptions;
 use virtio_pmem_pcow::{
     BarrierError, BarrierStats, FlushBackend, FlushError, Monitor, PcowRegion, PmemDevice,
     RawRegion, RegionOptions,
@@ -38,6 +39,57 @@ use crate::pci::virtio_pci::{BAR_INDEX, NOTIFY_OFFSET, NOTIFY_OFF_MULTIPLIER};
 use crate::pci::{BarMove, Mmio64Window, PciBus, PciConfigIo, PmemVirtio, VirtioPciDevice};
 use crate::vcpu::{self, MmioBus, Vcpu, VcpuControl, VcpuThread};
 use crate::vm::{Memslot, Vm};
+
+/// The environment variable naming the directory of the temporary
+/// overlays of pcow devices with `discard_writes` (default: each image's
+/// own directory).
+pub const DISCARD_DIR_ENV: &str = "PCOW_DISCARD_DIR";
+
+/// The directory [`DISCARD_DIR_ENV`] names; unset or empty: `None`.
+fn discard_dir() -> Option<PathBuf> {
+    std::env::var_os(DISCARD_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// Opens a pcow device with `discard_writes`: the guest writes into a
+/// temporary overlay (an unlinked file) over the image, which is only
+/// read and is locked shared, so other VMs may run on it at once. The
+/// overlay goes with the machine: at shutdown, reboot, or the VMM's exit
+/// (upstream's `discard_writes` maps a raw file `MAP_PRIVATE`, whose
+/// writes go with the mapping in the same way).
+fn open_discarding(
+    p: &ValidatedPmem,
+    ctl: Arc<VcpuControl>,
+) -> Result<(PcowRegion, Monitor), MachineError> {
+    let dir = discard_dir();
+    let shown = dir
+        .clone()
+        .or_else(|| p.file.parent().map(PathBuf::from))
+        .unwrap_or_default();
+    PcowRegion::open_discarding(
+        &p.file,
+        &TempOptions { dir, named: false },
+        ctl,
+        &RegionOptions::default(),
+    )
+    .map_err(|source| MachineError::PcowDiscard {
+        id: p.id.clone(),
+        path: p.file.clone(),
+        dir: shown.clone(),
+        source: Box::new(source),
+    })
+    .inspect(|(region, _)| {
+        let chain = region.status().map(|s| s.chain).unwrap_or_default();
+        log::info!(
+            "pmem {}: discard_writes: the guest writes into {}, discarded with the machine",
+            p.id,
+            chain
+                .first()
+                .map_or_else(|| shown.display().to_string(), |c| c.display().to_string())
+        );
+    })
+}
 
 /// Errors of building and starting a machine.
 #[allow(missing_docs)] // the messages document the variants
@@ -59,8 +111,19 @@ pub enum MachineError {
     Boot(#[source] crate::boot::BootError),
     #[error("writing the ACPI tables")]
     Acpi(#[source] acpi::AcpiError),
-    #[error("pmem device {id} ({}): discard_writes=on is for raw files; for a pcow image take a snapshot or an overlay instead", path.display())]
-    PcowDiscardWrites { id: String, path: PathBuf },
+    #[error(
+        "pmem device {id} ({}): discard_writes: a temporary overlay in {} \
+         (set {DISCARD_DIR_ENV} to use another directory)",
+        path.display(),
+        dir.display()
+    )]
+    PcowDiscard {
+        id: String,
+        path: PathBuf,
+        dir: PathBuf,
+        #[source]
+        source: Box<virtio_pmem_pcow::RegionError>,
+    },
     #[error("pmem device {id} ({})", path.display())]
     PcowRegion {
         id: String,
@@ -436,20 +499,17 @@ impl Machine {
             let discard = cfg.is_some_and(|c| c.discard_writes);
             let (backend, monitor, host, len) = match p.format {
                 PmemFormat::Pcow => {
-                    if discard {
-                        return Err(MachineError::PcowDiscardWrites {
-                            id: p.id.clone(),
-                            path: p.file.clone(),
-                        });
-                    }
-                    let (region, monitor) =
+                    let (region, monitor) = if discard {
+                        open_discarding(p, ctl.clone())?
+                    } else {
                         PcowRegion::open(&p.file, ctl.clone(), &RegionOptions::default()).map_err(
                             |source| MachineError::PcowRegion {
                                 id: p.id.clone(),
                                 path: p.file.clone(),
                                 source: Box::new(source),
                             },
-                        )?;
+                        )?
+                    };
                     let (host, len) = (region.host_addr(), region.len());
                     (
                         PmemBackend::Pcow(Arc::new(region), Arc::default()),

@@ -100,7 +100,7 @@ fn pcow_status(e: &pcow::Error) -> u16 {
 fn build_status(e: &MachineError) -> u16 {
     use crate::legacy::serial::SerialError;
     match e {
-        MachineError::NoKernel | MachineError::PcowDiscardWrites { .. } => 400,
+        MachineError::NoKernel => 400,
         MachineError::Boot(b) if b.is_config_error() => 400,
         MachineError::Serial(SerialError::Interrupt(_)) => 500,
         MachineError::Serial(_) => 400,
@@ -111,6 +111,7 @@ fn build_status(e: &MachineError) -> u16 {
 fn barrier_status(e: &virtio_pmem_pcow::BarrierError) -> u16 {
     match e {
         virtio_pmem_pcow::BarrierError::Image(p) => pcow_status(p),
+        virtio_pmem_pcow::BarrierError::Discarding => 400,
         _ => 500,
     }
 }
@@ -545,6 +546,29 @@ impl Vmm {
         Ok(p.file.clone())
     }
 
+    /// Refuses `what` (an operation that writes the image) on a device
+    /// with `discard_writes`, running or not: such a device never writes
+    /// its image, and its own writes are discarded.
+    fn refuse_discard(&self, id: &str, what: &str) -> Result<(), ApiError> {
+        let discards = self
+            .vm()?
+            .config
+            .pmem()
+            .iter()
+            .any(|p| p.id.as_deref() == Some(id) && p.discard_writes);
+        if discards {
+            return Err(ApiError::new(
+                400,
+                format!(
+                    "pmem {id} has discard_writes: {what} is refused (the image is never \
+                     written, the guest's writes are discarded); remove the device or use \
+                     `pcow-img` on the image while no VM runs on it"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The live pcow device `id`, when the machine runs.
     fn live(&self, id: &str) -> Result<Option<&Pmem>, ApiError> {
         self.pcow_config(id)?;
@@ -562,6 +586,7 @@ impl Vmm {
     }
 
     fn pmem_snapshot(&mut self, r: PmemSnapshot) -> ApiResult {
+        self.refuse_discard(&r.id, "a snapshot")?;
         let info = match self.live(&r.id)? {
             Some(p) => p
                 .pcow()
@@ -580,6 +605,7 @@ impl Vmm {
     }
 
     fn pmem_overlay(&mut self, r: PmemOverlay) -> ApiResult {
+        self.refuse_discard(&r.id, "an overlay")?;
         let Some(p) = self.live(&r.id)? else {
             return Err(wrong_state(
                 "the VM is not running: create an overlay offline with \
@@ -632,6 +658,7 @@ impl Vmm {
     }
 
     fn pmem_rollback(&mut self, r: PmemRollback) -> ApiResult {
+        self.refuse_discard(&r.id, "a rollback")?;
         let path = self.pcow_config(&r.id)?;
         let running = self.vm()?.machine.is_some();
         if running && !r.reset {
@@ -691,6 +718,7 @@ impl Vmm {
     }
 
     fn pmem_snapshot_delete(&mut self, r: PmemSnapshotDelete) -> ApiResult {
+        self.refuse_discard(&r.id, "deleting a snapshot")?;
         let info = match self.live(&r.id)? {
             Some(p) => p
                 .pcow()

@@ -191,6 +191,12 @@ pub enum BarrierError {
          stop the VM and use `pcow-img snapshot -a`"
     )]
     LiveRollback,
+    #[error(
+        "the device runs with discard_writes: the image is never written and the guest's \
+         writes are discarded, so snapshots of it are refused; shut the VM down to \
+         snapshot the image offline"
+    )]
+    Discarding,
     #[error("reading the process's mappings")]
     Maps(#[source] Box<crate::region::RegionError>),
 }

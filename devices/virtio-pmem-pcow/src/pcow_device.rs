@@ -44,7 +44,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use pcow::{BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, OpenOptions, SnapshotInfo};
+use pcow::{
+    BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, OpenOptions, SnapshotInfo,
+    TempOptions,
+};
 
 use crate::barrier::{hold, with_hold, BarrierError, BarrierStats, Quiesce};
 use crate::device::{FlushBackend, FlushError};
@@ -226,6 +229,12 @@ pub enum OverlayError {
     },
     #[error("the device has no writable image since a failed overlay: {0}")]
     Detached(String),
+    #[error(
+        "the device runs with discard_writes: its writes go to a temporary overlay that \
+         is discarded, and the image is never written; shut the VM down and overlay \
+         the image offline (`pcow-img create -b IMAGE -F pcow FILE`)"
+    )]
+    Discarding,
     #[error("region state lock poisoned by a panic")]
     Poisoned,
 }
@@ -390,6 +399,23 @@ impl PcowRegion {
         Self::from_image_with(image, quiesce, opts, &PoolOptions::default())
     }
 
+    /// Opens the image at `path` with its base chain read-only under
+    /// shared locks, and builds the region on a temporary overlay of it
+    /// (see [`Image::create_temporary`]): the guest's writes go into an
+    /// unlinked file that closes with the region, the image is never
+    /// written, and any number of regions may run on it at once. Barriers
+    /// still move and commit the guest's writes, into the overlay, without
+    /// syncs. Snapshots, snapshot deletion and live overlays are refused.
+    pub fn open_discarding(
+        path: &Path,
+        temp: &TempOptions,
+        quiesce: Arc<dyn Quiesce>,
+        opts: &RegionOptions,
+    ) -> Result<(PcowRegion, Monitor), RegionError> {
+        let image = Image::create_temporary(path, temp)?;
+        Self::from_image_with(image, quiesce, opts, &PoolOptions::default())
+    }
+
     /// [`PcowRegion::from_image`] with a choice of pool refilling. A worker
     /// that cannot start (no eventfd, no thread) is logged and the pool is
     /// refilled inline instead.
@@ -499,6 +525,7 @@ impl PcowRegion {
     /// then the writable clusters become read-only history (mapped private,
     /// same content). No data is copied.
     pub fn snapshot_create(&self, tag: &str) -> Result<SnapshotInfo, BarrierError> {
+        self.refuse_if_discarding()?;
         self.after_barrier(|region| {
             let info = region.image.snapshot_create(tag)?;
             region.demote_shared()?;
@@ -511,7 +538,23 @@ impl PcowRegion {
     /// another snapshot) still uses it, so no mapping changes. A barrier
     /// runs first, so the deletion commits only durable data.
     pub fn snapshot_delete(&self, snap: &str) -> Result<SnapshotInfo, BarrierError> {
+        self.refuse_if_discarding()?;
         self.after_barrier(|region| Ok(region.image.snapshot_delete(snap)?))
+    }
+
+    /// Whether the guest writes into a temporary overlay
+    /// ([`PcowRegion::open_discarding`]).
+    pub fn is_discarding(&self) -> Result<bool, BarrierError> {
+        Ok(self.lock()?.region.image.is_temporary())
+    }
+
+    /// The image operations a discarding device refuses: they would write
+    /// the image, which it never writes, or a file that goes with it.
+    fn refuse_if_discarding(&self) -> Result<(), BarrierError> {
+        if self.is_discarding()? {
+            return Err(BarrierError::Discarding);
+        }
+        Ok(())
     }
 
     /// Holds the writers, runs a barrier, then `op` on the region (so what
@@ -554,6 +597,9 @@ impl PcowRegion {
         let dev = &mut *g;
         if let Some(why) = &dev.detached {
             return Err(OverlayError::Detached(why.clone()));
+        }
+        if dev.region.image.is_temporary() {
+            return Err(OverlayError::Discarding);
         }
         let plan = OverlayPlan::new(&dev.region.image, new_file)?;
         dev.pool.apply(&mut dev.region.image);

@@ -19,9 +19,10 @@
 //! - each pmem file exists, is a regular file, and no two devices use the
 //!   same file (*ours*); a pcow image (recognised by its magic) opens with
 //!   its chain, has a virtual size that is a multiple of 2 MiB, and `size=`
-//!   equals that virtual size, and `discard_writes` is off (*ours*: take a
-//!   snapshot or an overlay instead); a raw file's device size (`size=`,
-//!   else the file's length) is a non-zero multiple of 2 MiB; `size=`
+//!   equals that virtual size (with `discard_writes` the guest writes
+//!   into a temporary overlay, see [`crate::machine`]); a raw file's
+//!   device size (`size=`, else the file's length) is a non-zero multiple
+//!   of 2 MiB; `size=`
 //!   larger than a raw file is refused (*ours*: upstream maps past the end
 //!   of the file and the guest faults there; it grows only its temporary
 //!   files).
@@ -122,11 +123,6 @@ pub enum ValidationError {
         path: PathBuf,
         size: u64,
     },
-    #[error(
-        "pmem {id}: discard_writes=on is for raw files; for pcow image {path} take a snapshot \
-         or an overlay instead"
-    )]
-    PcowDiscardWrites { id: String, path: PathBuf },
     #[error(
         "pmem {id}: size={size} does not match the virtual size {virtual_size} of pcow \
          image {path} (omit size= or use `pcow-img resize`)"
@@ -491,12 +487,6 @@ fn check_pmem(cfg: &PmemConfig, id: &str) -> Result<(ValidatedPmem, (u64, u64))>
                 id: id.to_owned(),
                 path: path.clone(),
                 size: vs,
-            });
-        }
-        if cfg.discard_writes {
-            return Err(ValidationError::PcowDiscardWrites {
-                id: id.to_owned(),
-                path: path.clone(),
             });
         }
         if let Some(size) = cfg.size.filter(|s| *s != vs) {
