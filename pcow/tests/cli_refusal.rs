@@ -27,9 +27,15 @@ const DEADLINE: Duration = Duration::from_secs(20);
 #[derive(Debug, PartialEq, Eq)]
 enum Entry {
     /// A regular file: its inode (a replacement shows) and its bytes.
-    File { ino: u64, bytes: Vec<u8> },
+    File {
+        ino: u64,
+        bytes: Vec<u8>,
+    },
     Link(std::path::PathBuf),
-    Other { ino: u64, kind: &'static str },
+    Other {
+        ino: u64,
+        kind: &'static str,
+    },
 }
 
 /// Every entry of `dir`, by name.
@@ -56,7 +62,10 @@ fn state(dir: &Path) -> BTreeMap<String, Entry> {
             } else {
                 "other"
             };
-            Entry::Other { ino: md.ino(), kind }
+            Entry::Other {
+                ino: md.ino(),
+                kind,
+            }
         };
         m.insert(e.file_name().to_string_lossy().into_owned(), entry);
     }
@@ -98,30 +107,47 @@ fn run_timed(dir: &Path, args: &[&str]) -> (i32, String) {
 }
 
 /// Runs a command that must be refused: exit 1, one `pcow-img: ` line
-/// naming `what`, containing `needle`, and every entry of `dir` unchanged.
-fn refused(dir: &Path, args: &[&str], what: &str, needle: &str) {
+/// containing `needle`, and every entry of `dir` unchanged. `Err` says
+/// what was wrong (`what`: the situation).
+fn check_refused(dir: &Path, args: &[&str], what: &str, needle: &str) -> Result<(), String> {
     let before = state(dir);
     let (code, err) = run_timed(dir, args);
-    assert_eq!(code, 1, "pcow-img {args:?} ({what}): exit {code}, stderr {err:?}");
-    assert!(
-        err.starts_with("pcow-img: ") && err.lines().count() == 1,
-        "pcow-img {args:?} ({what}): stderr {err:?}"
-    );
-    assert!(
-        err.contains(needle),
-        "pcow-img {args:?} ({what}): stderr {err:?} lacks {needle:?}"
-    );
+    let fail = |why: String| Err(format!("pcow-img {args:?} ({what}): {why}"));
+    if code != 1 {
+        return fail(format!("exit {code}, stderr {err:?}"));
+    }
+    if !err.starts_with("pcow-img: ") || err.lines().count() != 1 {
+        return fail(format!("stderr {err:?}"));
+    }
+    if !err.contains(needle) {
+        return fail(format!("stderr {err:?} lacks {needle:?}"));
+    }
     let after = state(dir);
     for (name, b) in &before {
-        assert!(
-            after.get(name) == Some(b),
-            "pcow-img {args:?} ({what}) was refused but changed {name}"
-        );
+        if after.get(name) != Some(b) {
+            return fail(format!("refused ({err:?}) but changed {name}"));
+        }
     }
-    assert_eq!(
-        before.keys().collect::<Vec<_>>(),
-        after.keys().collect::<Vec<_>>(),
-        "pcow-img {args:?} ({what}) was refused but added or removed files"
+    if before.keys().ne(after.keys()) {
+        return fail("refused but added or removed files".into());
+    }
+    Ok(())
+}
+
+/// [`check_refused`], panicking.
+fn refused(dir: &Path, args: &[&str], what: &str, needle: &str) {
+    if let Err(e) = check_refused(dir, args, what, needle) {
+        panic!("{e}");
+    }
+}
+
+/// Panics listing every failure, if any.
+fn all_ok(failures: Vec<String>) {
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
     );
 }
 
@@ -141,7 +167,18 @@ fn fixture(p: &Path) {
     ok(p, &["create", "-q", "t.pcow", "1M"]);
     ok(p, &["create", "-q", "small.pcow", "64K"]);
     ok(p, &["create", "-q", "gone.pcow", "1M"]);
-    ok(p, &["create", "-q", "-b", "gone.pcow", "-F", "pcow", "orphan.pcow"]);
+    ok(
+        p,
+        &[
+            "create",
+            "-q",
+            "-b",
+            "gone.pcow",
+            "-F",
+            "pcow",
+            "orphan.pcow",
+        ],
+    );
     std::fs::remove_file(p.join("gone.pcow")).unwrap();
     std::fs::write(p.join("r.raw"), vec![0x55u8; 1 << 20]).unwrap();
 }
@@ -295,6 +332,7 @@ fn every_writing_command_is_refused_unchanged_while_its_images_are_held() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
     fixture(p);
+    let mut failures = Vec::new();
     for case in CASES {
         let held = case
             .writes
@@ -307,10 +345,12 @@ fn every_writing_command_is_refused_unchanged_while_its_images_are_held() {
                 "{name} held {}",
                 if exclusive { "exclusively" } else { "shared" }
             );
-            refused(p, case.args, &what, &format!("{name}: image is in use"));
+            let needle = format!("{name}: image is in use");
+            failures.extend(check_refused(p, case.args, &what, &needle).err());
             drop(lock);
         }
     }
+    all_ok(failures);
     // Nothing held: each command runs (the cases are real).
     for case in CASES {
         let d = tempfile::tempdir().unwrap();
@@ -331,10 +371,13 @@ fn an_image_a_writer_holds_is_not_replaced() {
     expect[..64 << 10].fill(0x11);
     expect[64 << 10..128 << 10].fill(0x22);
     expect[128 << 10..136 << 10].fill(0x33);
+    let mut failures = Vec::new();
     for args in [
         &["create", "-f", "raw", "o.pcow", "64M"][..],
         &["create", "o.pcow", "64M"],
-        &["create", "-f", "pcow", "-b", "b2.pcow", "-F", "pcow", "o.pcow"],
+        &[
+            "create", "-f", "pcow", "-b", "b2.pcow", "-F", "pcow", "o.pcow",
+        ],
         &["convert", "-O", "raw", "b2.pcow", "o.pcow"],
         &["convert", "-O", "pcow", "b2.pcow", "o.pcow"],
         &["convert", "-n", "-O", "pcow", "b2.pcow", "o.pcow"],
@@ -346,8 +389,9 @@ fn an_image_a_writer_holds_is_not_replaced() {
         &["snapshot", "-c", "x", "b.pcow"],
         &["io", "b.pcow", "-c", "write 0 4k"],
     ] {
-        refused(p, args, "o.pcow open by a writer", "image is in use");
+        failures.extend(check_refused(p, args, "o.pcow open by a writer", "image is in use").err());
     }
+    all_ok(failures);
     let mut buf = vec![0u8; 1 << 20];
     vmm.read_at(&mut buf, 0).unwrap();
     assert!(buf == expect, "the writer's view changed");
@@ -363,8 +407,18 @@ fn a_commit_into_a_held_base_leaves_the_overlay_unchanged() {
     fixture(p);
     // As a VMM running on the base holds it.
     let vmm = pcow::Image::open(p.join("b.pcow"), pcow::OpenOptions::read_write()).unwrap();
-    refused(p, &["commit", "o.pcow"], "base open by a writer", "b.pcow: image is in use");
-    refused(p, &["commit", "-d", "o.pcow"], "base open by a writer", "b.pcow: image is in use");
+    refused(
+        p,
+        &["commit", "o.pcow"],
+        "base open by a writer",
+        "b.pcow: image is in use",
+    );
+    refused(
+        p,
+        &["commit", "-d", "o.pcow"],
+        "base open by a writer",
+        "b.pcow: image is in use",
+    );
     drop(vmm);
     // The images reopen and commit as if nothing had been tried.
     ok(p, &["check", "o.pcow"]);
@@ -390,7 +444,10 @@ fn refused_arguments_leave_every_file_unchanged() {
             &["io", "b.pcow", "-c", "write 0 4k", "-c", "write 2M 1"],
             "beyond the virtual size",
         ),
-        (&["rebase", "-b", "missing.pcow", "o.pcow"], "does not exist"),
+        (
+            &["rebase", "-b", "missing.pcow", "o.pcow"],
+            "does not exist",
+        ),
         (
             &["rebase", "-b", "r.raw", "-F", "pcow", "o.pcow"],
             "not a pcow image",
@@ -411,7 +468,10 @@ fn refused_arguments_leave_every_file_unchanged() {
             &["convert", "-n", "-O", "pcow", "o.pcow", "r.raw"],
             "not a pcow image",
         ),
-        (&["convert", "-O", "raw", "o.pcow", "b.pcow"], "is the input"),
+        (
+            &["convert", "-O", "raw", "o.pcow", "b.pcow"],
+            "is the input",
+        ),
         (
             &["create", "-b", "missing.pcow", "-F", "pcow", "t.pcow"],
             "does not exist",
@@ -422,9 +482,11 @@ fn refused_arguments_leave_every_file_unchanged() {
             "not a pcow image",
         ),
     ];
-    for (args, needle) in cases {
-        refused(p, args, "refused argument", needle);
-    }
+    let failures = cases
+        .iter()
+        .filter_map(|(args, needle)| check_refused(p, args, "refused argument", needle).err())
+        .collect();
+    all_ok(failures);
 }
 
 /// Makes a FIFO at `path`.
@@ -463,6 +525,7 @@ fn special_files_at_the_output_name_are_refused_at_once() {
         ("dangling", "is a symbolic link"),
         ("loop", "is a symbolic link"),
     ];
+    let mut failures = Vec::new();
     for &(name, needle) in specials {
         // Replacing a name: nothing but a regular file, never through a link.
         for args in [
@@ -471,7 +534,7 @@ fn special_files_at_the_output_name_are_refused_at_once() {
             &["convert", "-O", "raw", "b2.pcow", name],
             &["convert", "-O", "pcow", "b2.pcow", name],
         ] {
-            refused(p, args, name, &format!("{name}: {needle}"));
+            failures.extend(check_refused(p, args, name, &format!("{name}: {needle}")).err());
         }
         // Writing in place: a link is followed to a regular file.
         let in_place = match name {
@@ -484,9 +547,10 @@ fn special_files_at_the_output_name_are_refused_at_once() {
             &["convert", "-n", "-O", "raw", "b2.pcow", name][..],
             &["resize", "-f", "raw", name, "+1M"],
         ] {
-            refused(p, args, name, in_place);
+            failures.extend(check_refused(p, args, name, in_place).err());
         }
     }
+    all_ok(failures);
 }
 
 #[test]
@@ -526,7 +590,10 @@ fn a_deferred_writer_writes_nothing_until_its_first_change() {
     img.write_at(&[], 0).unwrap();
     img.flush().unwrap();
     drop(img);
-    assert!(std::fs::read(&path).unwrap() == before, "a refused change wrote");
+    assert!(
+        std::fs::read(&path).unwrap() == before,
+        "a refused change wrote"
+    );
     // The first change starts the writer.
     let mut img = pcow::Image::open(&path, pcow::OpenOptions::read_write_deferred()).unwrap();
     img.write_at(&[7], 0).unwrap();
