@@ -390,8 +390,10 @@ impl Image {
         }
     }
 
-    /// Creates a new empty image at `path` (replacing any file there) and
-    /// opens it for writing.
+    /// Creates a new empty image at `path` and opens it for writing. A
+    /// regular file there is replaced, unless another process holds it
+    /// ([`Error::Locked`], the file unchanged); anything else there, a
+    /// symbolic link included, is refused (see [`crate::output_file`]).
     pub fn create(path: impl AsRef<Path>, opts: &CreateOptions) -> Result<Image> {
         let path = path.as_ref();
         let cluster_size = opts.cluster_size.unwrap_or(DEFAULT_CLUSTER_SIZE);
