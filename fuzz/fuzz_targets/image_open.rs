@@ -34,6 +34,7 @@ fn opts(writable: bool, lenient: bool) -> OpenOptions {
         force_share: true,
         skip_base: true,
         lenient,
+        ..OpenOptions::default()
     }
 }
 

@@ -281,6 +281,9 @@ pub(crate) fn open_base(image_path: &Path, base: &BaseRef, ctx: &mut ChainCtx) -
 }
 
 /// Opens a base for writing (commit): exclusive lock on it, shared below.
+/// A pcow base is opened with [`OpenOptions::defer_writing`]: nothing is
+/// written to it before the first change, so that a commit refused after
+/// this open leaves it as it was.
 pub fn open_base_writable(image_path: &Path, base: &BaseRef) -> Result<Backing> {
     let mut ctx = ChainCtx::default();
     open_base_mode(image_path, base, &mut ctx, true)
@@ -338,6 +341,7 @@ fn open_base_mode(
         BaseFormat::Pcow => {
             let opts = OpenOptions {
                 writable,
+                defer_writing: true,
                 ..OpenOptions::default()
             };
             let img = Image::open_inner(Box::new(FileStorage::new(file)), &resolved, opts, ctx)?;

@@ -24,6 +24,8 @@ pub enum Error {
     },
     #[error("{path}: image is in use by another process (lock held)")]
     Locked { path: PathBuf },
+    #[error("{path}: is a {kind}, not a regular file")]
+    NotRegular { path: PathBuf, kind: &'static str },
     #[error("{path}: base image {name:?} (resolved to {resolved}) does not exist")]
     BaseMissing {
         path: PathBuf,

@@ -109,6 +109,15 @@ pub struct OpenOptions {
     /// Collect non-fatal rule violations in [`Image::findings`] instead of
     /// failing (used by `check`).
     pub lenient: bool,
+    /// With `writable`: lock exclusively but write nothing (no DIRTY flag,
+    /// no repair of crash residue) until the first change, so that checks
+    /// made after opening (other locks, arguments, a base) can still refuse
+    /// and leave the file byte for byte as it was. `write_at`, `grow`,
+    /// `preallocate` and the snapshot operations start the writer after
+    /// their own checks; [`Image::begin_writing`] starts it explicitly.
+    /// Until then [`Image::is_writable`] is false and closing writes
+    /// nothing.
+    pub defer_writing: bool,
 }
 
 impl OpenOptions {
@@ -120,6 +129,15 @@ impl OpenOptions {
     pub fn read_write() -> Self {
         OpenOptions {
             writable: true,
+            ..Self::default()
+        }
+    }
+    /// Read-write, locked, nothing written before the first change (see
+    /// [`OpenOptions::defer_writing`]).
+    pub fn read_write_deferred() -> Self {
+        OpenOptions {
+            writable: true,
+            defer_writing: true,
             ..Self::default()
         }
     }
@@ -181,6 +199,9 @@ pub struct Image {
     pub(crate) base: Option<Box<Backing>>,
     /// An unlinked overlay made by [`Image::create_temporary`].
     pub(crate) temporary: bool,
+    /// Opened for writing and exclusively locked, but the writer has not
+    /// started: nothing written yet ([`OpenOptions::defer_writing`]).
+    deferred: bool,
     closed: bool,
 }
 
@@ -241,6 +262,11 @@ impl Image {
         if !opts.force_share {
             lock_file(&file, path, opts.writable)?;
         }
+        Self::open_locked(file, path, opts)
+    }
+
+    /// Opens the image in `file`, already locked as `opts` asks.
+    pub(crate) fn open_locked(file: File, path: &Path, opts: OpenOptions) -> Result<Image> {
         let mut ctx = ChainCtx {
             force_share: opts.force_share,
             ..ChainCtx::default()
@@ -280,10 +306,11 @@ impl Image {
                 crate::scan::HeaderError::Format(f) => fmt_err(f),
             })?;
         let g = header.geometry;
+        let deferred = opts.writable && opts.defer_writing;
         let mut img = Image {
             path: path.to_owned(),
             storage,
-            writable: opts.writable,
+            writable: opts.writable && !deferred,
             g,
             committed_gen: header.generation,
             dirty_at_open: header.dirty(),
@@ -305,6 +332,7 @@ impl Image {
             findings: Vec::new(),
             base: None,
             temporary: false,
+            deferred,
             // Nothing may be written back until the open succeeds: a
             // refused image must be left exactly as it was.
             closed: true,
@@ -335,14 +363,40 @@ impl Image {
             });
         }
         img.closed = false;
-        if opts.writable {
+        if img.writable {
             img.start_writing()?;
         }
         Ok(img)
     }
 
-    /// Creates a new empty image at `path` (replacing any file there) and
-    /// opens it for writing.
+    /// Starts the writer of an image opened with
+    /// [`OpenOptions::defer_writing`]: repairs crash residue and sets DIRTY
+    /// (the first write to the file). Nothing to do for a writer already
+    /// started; an error for a read-only image.
+    pub fn begin_writing(&mut self) -> Result<()> {
+        if self.deferred {
+            self.deferred = false;
+            self.writable = true;
+            self.start_writing()?;
+        }
+        self.require_writable()
+    }
+
+    /// Whether the image may be changed: a writer, started or deferred.
+    /// The changing calls check this before their own checks, and call
+    /// [`Image::begin_writing`] after them.
+    pub(crate) fn require_writer(&self) -> Result<()> {
+        if self.deferred {
+            Ok(())
+        } else {
+            self.require_writable()
+        }
+    }
+
+    /// Creates a new empty image at `path` and opens it for writing. A
+    /// regular file there is replaced, unless another process holds it
+    /// ([`Error::Locked`], the file unchanged); anything else there, a
+    /// symbolic link included, is refused (see [`crate::output_file`]).
     pub fn create(path: impl AsRef<Path>, opts: &CreateOptions) -> Result<Image> {
         let path = path.as_ref();
         let cluster_size = opts.cluster_size.unwrap_or(DEFAULT_CLUSTER_SIZE);
@@ -355,18 +409,14 @@ impl Image {
             crate::chain::check_base_name(&b.name)?;
         }
         // An existing file is locked (and visited, so a base chain that
-        // leads back to it is a cycle) before anything is decided; a new
-        // file is only made once the base chain has opened.
+        // leads back to it is a cycle) before anything is decided, and only
+        // truncated once everything has been; a new file is only made once
+        // the base chain has opened. See `output_file` for what is refused.
         let mut ctx = ChainCtx::default();
-        let existing = match FsOpenOptions::new().read(true).write(true).open(path) {
-            Ok(f) => {
-                lock_file(&f, path, true)?;
-                ctx.visit(&f, path)?;
-                Some(f)
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => return Err(io_err(path, "opening")(e)),
-        };
+        let existing = crate::output_file::open_existing_output(path)?;
+        if let Some(f) = &existing {
+            ctx.visit(f, path)?;
+        }
         let base = match &opts.base {
             Some(b) => Some(crate::chain::open_base(path, b, &mut ctx)?),
             None => None,
@@ -384,16 +434,7 @@ impl Image {
         drop(base);
         let file = match existing {
             Some(f) => f,
-            None => {
-                let f = FsOpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true)
-                    .open(path)
-                    .map_err(io_err(path, "creating"))?;
-                lock_file(&f, path, true)?;
-                f
-            }
+            None => crate::output_file::create_new_output(path)?,
         };
         let mut storage = FileStorage::new(file);
         storage.set_len(0).map_err(io_err(path, "truncating"))?;
@@ -728,12 +769,12 @@ impl Image {
 
     /// Writes into the active layer. Durable at the next [`Image::flush`].
     pub fn write_at(&mut self, data: &[u8], offset: u64) -> Result<()> {
-        if !self.writable {
-            return Err(Error::ReadOnly {
-                path: self.path.clone(),
-            });
-        }
+        self.require_writer()?;
         self.check_range(offset, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.begin_writing()?;
         self.write_layer(self.header.active_layer, data, offset)
     }
 
@@ -930,10 +971,10 @@ impl Image {
         Ok(idx)
     }
 
-    /// Appends a snapshot cluster starting a layer on `parent`.
-    pub(crate) fn append_layer(&mut self, parent: u32, snap: Option<SnapshotInfo>) -> Result<u32> {
-        let n = self.layers.len() as u32;
-        if n >= crate::format::MAX_LAYERS {
+    /// Refuses a new layer past the format's limits (checked before a
+    /// snapshot operation writes anything).
+    pub(crate) fn check_layer_room(&self) -> Result<()> {
+        if self.layers.len() as u64 >= u64::from(crate::format::MAX_LAYERS) {
             return Err(Error::Limit {
                 path: self.path.clone(),
                 what: format!(
@@ -942,7 +983,13 @@ impl Image {
                 ),
             });
         }
-        self.check_cluster_limit(1)?;
+        self.check_cluster_limit(1)
+    }
+
+    /// Appends a snapshot cluster starting a layer on `parent`.
+    pub(crate) fn append_layer(&mut self, parent: u32, snap: Option<SnapshotInfo>) -> Result<u32> {
+        self.check_layer_room()?;
+        let n = self.layers.len() as u32;
         self.ensure_space(self.next_cluster + 1)?;
         self.slot_ends
             .forget_cluster(self.g.offset(self.next_cluster), self.g.slot_size());
@@ -1100,7 +1147,7 @@ impl Image {
         if mode == Preallocation::Off {
             return Ok(0);
         }
-        self.require_writable()?;
+        self.begin_writing()?;
         let layer = self.header.active_layer;
         let cs = self.g.cluster_size();
         let parent = self.layers[layer as usize].parent;
@@ -1313,11 +1360,7 @@ impl Image {
 
     /// Grows the virtual size.
     pub fn grow(&mut self, new_size: u64) -> Result<()> {
-        if !self.writable {
-            return Err(Error::ReadOnly {
-                path: self.path.clone(),
-            });
-        }
+        self.require_writer()?;
         check_virtual_size(new_size, self.g)?;
         if new_size < self.header.virtual_size {
             return Err(Error::Invalid(format!(
@@ -1325,6 +1368,7 @@ impl Image {
                 self.header.virtual_size
             )));
         }
+        self.begin_writing()?;
         let old_size = self.header.virtual_size;
         self.header.virtual_size = new_size;
         self.meta_dirty = true;

@@ -33,6 +33,7 @@ mod image;
 pub mod io;
 pub mod lock;
 pub mod ops;
+pub mod output_file;
 mod scan;
 mod slot_ends;
 mod snapshot;

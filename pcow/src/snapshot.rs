@@ -78,7 +78,7 @@ impl Image {
     /// Freezes the current content as snapshot `tag`: one barrier, one
     /// snapshot cluster, no data copied.
     pub fn snapshot_create(&mut self, tag: &str) -> Result<SnapshotInfo> {
-        self.require_writable()?;
+        self.require_writer()?;
         self.check_tag(tag)?;
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -90,6 +90,8 @@ impl Image {
             path: self.path.clone(),
             what: "snapshot ids exhausted".into(),
         })?;
+        self.check_layer_room()?;
+        self.begin_writing()?;
         let info = SnapshotInfo {
             id,
             tag: tag.to_owned(),
@@ -114,8 +116,10 @@ impl Image {
     /// Makes snapshot `snap` the image's content (rollback). Later snapshots
     /// are kept; what was written since the last snapshot is dropped.
     pub fn snapshot_apply(&mut self, snap: &str) -> Result<SnapshotInfo> {
-        self.require_writable()?;
+        self.require_writer()?;
         let (_, info) = self.find_snapshot(snap)?;
+        self.check_layer_room()?;
+        self.begin_writing()?;
         let layer = self.append_layer(info.layer, None)?;
         self.header.active_layer = layer;
         self.flush()?;
@@ -125,8 +129,9 @@ impl Image {
     /// Deletes snapshot `snap` (any of them). Its data stays while other
     /// views need it; `compact` reclaims what nothing reaches.
     pub fn snapshot_delete(&mut self, snap: &str) -> Result<SnapshotInfo> {
-        self.require_writable()?;
+        self.require_writer()?;
         let (i, info) = self.find_snapshot(snap)?;
+        self.begin_writing()?;
         self.layers[i].snap = None;
         self.layers[i].dirty = true;
         self.meta_dirty = true;

@@ -101,6 +101,7 @@ fn write_cycle_stays_valid(bytes: Vec<u8>) {
         force_share: true,
         skip_base: true,
         lenient,
+        ..OpenOptions::default()
     };
     let store = MemStorage::new(bytes);
     let Ok(mut img) = Image::open_storage(Box::new(store.clone()), path, opts(true, false)) else {

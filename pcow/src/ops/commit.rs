@@ -26,10 +26,13 @@ pub struct CommitReport {
 /// `keep_overlay` is set or the overlay has snapshots (emptying would
 /// change them). Either way the overlay's content is unchanged.
 pub fn commit(path: &Path, keep_overlay: bool) -> Result<CommitReport> {
+    // Both images are locked exclusively and checked before either is
+    // written: a refusal (the base in use, missing, of the wrong format, a
+    // size it cannot grow to) leaves both as they were. The overlay is
+    // only written if it is emptied.
     let opts = OpenOptions {
-        writable: true,
         skip_base: true,
-        ..OpenOptions::default()
+        ..OpenOptions::read_write_deferred()
     };
     let mut top = Image::open(path, opts)?;
     let base_ref = top.base_ref().cloned().ok_or_else(|| Error::NoBase {
@@ -62,6 +65,7 @@ pub fn commit(path: &Path, keep_overlay: bool) -> Result<CommitReport> {
     base.flush()?;
     let emptied = !keep_overlay && top.snapshots().is_empty();
     if emptied {
+        top.begin_writing()?;
         top.reset_empty()?;
     }
     let base_path = base.path().to_owned();

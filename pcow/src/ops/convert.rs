@@ -23,7 +23,7 @@
 //!
 //! Ranges where neither the input nor the output holds data are not read.
 
-use std::fs::{File, OpenOptions as FsOpenOptions};
+use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
@@ -272,15 +272,18 @@ impl Target {
 
     /// The existing output at `path`, which must be in `format` and hold at
     /// least `size` bytes.
+    /// Nothing is written before every check has passed (the pcow target
+    /// is opened with its writer deferred to the first write).
     fn open(path: &Path, format: ImageFormat, size: u64) -> Result<Target> {
-        let file = File::open(path).map_err(io_err(path, "opening the target"))?;
+        let file = crate::output_file::open_in_place(path)?;
         let pcow = is_pcow(&file).map_err(io_err(path, "reading the target"))?;
-        drop(file);
         let target = match (format, pcow) {
-            (ImageFormat::Pcow, true) => {
-                Target::Pcow(Box::new(Image::open(path, OpenOptions::read_write())?))
-            }
-            (ImageFormat::Raw, false) => Target::Raw(RawOutput::open(path)?),
+            (ImageFormat::Pcow, true) => Target::Pcow(Box::new(Image::open_locked(
+                file,
+                path,
+                OpenOptions::read_write_deferred(),
+            )?)),
+            (ImageFormat::Raw, false) => Target::Raw(RawOutput::open(file, path)?),
             (ImageFormat::Pcow, false) => {
                 return Err(Error::Invalid(format!(
                     "{}: the target is not a pcow image (-n writes into an image of the -O format)",
@@ -712,16 +715,8 @@ struct RawOutput {
 impl RawOutput {
     /// A new file of `size` bytes, sparse (replacing any file at `path`).
     fn create(path: &Path, size: u64) -> Result<RawOutput> {
-        let file = FsOpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .map_err(io_err(path, "creating"))?;
-        crate::image::lock_file(&file, path, true)?;
-        file.set_len(0).map_err(io_err(path, "truncating"))?;
-        file.set_len(size).map_err(io_err(path, "sizing"))?;
+        let file = crate::output_file::open_output(path)?;
+        crate::output_file::reset_len(&file, path, size)?;
         Ok(RawOutput {
             path: path.to_owned(),
             file,
@@ -729,14 +724,9 @@ impl RawOutput {
         })
     }
 
-    /// The existing file at `path`, kept as it is.
-    fn open(path: &Path) -> Result<RawOutput> {
-        let file = FsOpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(io_err(path, "opening the target"))?;
-        crate::image::lock_file(&file, path, true)?;
+    /// The existing file at `path`, opened and locked by
+    /// [`crate::output_file::open_in_place`], kept as it is.
+    fn open(file: File, path: &Path) -> Result<RawOutput> {
         let len = file
             .metadata()
             .map_err(io_err(path, "reading metadata"))?

@@ -17,7 +17,8 @@ pub use rebase::rebase;
 /// Grows the image at `path` to `new_size` bytes (a multiple of its
 /// cluster size). Shrinking is refused.
 pub fn resize(path: &Path, new_size: u64) -> Result<()> {
-    let mut img = Image::open(path, OpenOptions::read_write())?;
+    // `grow` checks the size before it writes anything.
+    let mut img = Image::open(path, OpenOptions::read_write_deferred())?;
     img.grow(new_size)?;
     img.close()
 }

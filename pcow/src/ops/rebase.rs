@@ -17,13 +17,16 @@ pub fn rebase(path: &Path, new_base: Option<BaseRef>, unsafe_: bool) -> Result<(
     if let Some(b) = &new_base {
         check_base_name(&b.name)?;
     }
+    // Nothing is written before the image and the new base chain are
+    // open, locked and checked.
     let opts = OpenOptions {
-        writable: true,
         skip_base: unsafe_,
-        ..OpenOptions::default()
+        ..OpenOptions::read_write_deferred()
     };
     let mut img = Image::open(path, opts)?;
-    if !unsafe_ {
+    if unsafe_ {
+        img.begin_writing()?;
+    } else {
         let mut ctx = ChainCtx::default();
         if let Some(f) = img.file() {
             ctx.visit(f, path)?;
@@ -32,6 +35,7 @@ pub fn rebase(path: &Path, new_base: Option<BaseRef>, unsafe_: bool) -> Result<(
             Some(b) => Some(open_base(path, b, &mut ctx)?),
             None => None,
         };
+        img.begin_writing()?;
         copy_differences(&mut img, new.as_ref())?;
         img.flush()?;
         img.base = new.map(Box::new);

@@ -291,10 +291,10 @@ fn create_raw(
         bail!("a size is needed for a raw image");
     };
     let n = parse_size(s)?;
-    let f = std::fs::File::create(path)
-        .with_context(|| format!("{}: creating the file", path.display()))?;
-    f.set_len(n)
-        .with_context(|| format!("{}: setting its length to {n}", path.display()))?;
+    // An existing file is locked before it is truncated: one that another
+    // process holds is refused unchanged.
+    let f = pcow::output_file::open_output(path)?;
+    pcow::output_file::reset_len(&f, path, n)?;
     if prealloc != Preallocation::Off {
         pcow::io::preallocate_file(&f, n, prealloc == Preallocation::Full)
             .with_context(|| format!("{}: preallocating {n} bytes", path.display()))?;

@@ -125,12 +125,20 @@ pub fn io(a: IoArgs) -> anyhow::Result<u8> {
         .iter()
         .map(|c| parse_cmd(c))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    // Nothing is written before the first write command: one refused
+    // (beyond the size) leaves the image as it was.
     let opts = OpenOptions {
         writable: !a.read_only,
         force_share: a.force_share,
+        defer_writing: true,
         ..OpenOptions::default()
     };
     let mut img = Image::open(&a.file, opts)?;
+    for c in &cmds {
+        if let Cmd::Write { off, len, .. } | Cmd::Read { off, len, .. } = *c {
+            check_range(&img, off, len)?;
+        }
+    }
     let mut ok = true;
     for c in &cmds {
         if !run_cmd(&mut img, c)? {

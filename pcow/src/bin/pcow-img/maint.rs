@@ -98,13 +98,7 @@ pub fn resize(a: ResizeArgs) -> anyhow::Result<u8> {
 /// `resize` of a raw file: grown to the new size (a hole), as qemu-img
 /// does; shrinking is refused here too.
 fn resize_raw(a: &ResizeArgs) -> anyhow::Result<u8> {
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&a.file)
-        .with_context(|| format!("{}: opening", a.file.display()))?;
-    if !pcow::lock::lock(&f, true).with_context(|| format!("{}: locking", a.file.display()))? {
-        bail!("{}: in use (locked by another process)", a.file.display());
-    }
+    let f = pcow::output_file::open_in_place(&a.file)?;
     let current = f
         .metadata()
         .with_context(|| format!("{}: reading metadata", a.file.display()))?

@@ -29,7 +29,9 @@ pub fn snapshot(a: SnapshotArgs) -> anyhow::Result<u8> {
     if a.force_share {
         bail!("-U (force share) is only allowed with -l: the other operations write the image");
     }
-    let mut img = Image::open(&a.file, OpenOptions::read_write())?;
+    // The operation checks its argument (a tag, a snapshot) before it
+    // writes anything: a refusal leaves the image as it was.
+    let mut img = Image::open(&a.file, OpenOptions::read_write_deferred())?;
     if let Some(tag) = &a.create {
         img.snapshot_create(tag)?;
     } else if let Some(snap) = &a.apply {
@@ -43,7 +45,7 @@ pub fn snapshot(a: SnapshotArgs) -> anyhow::Result<u8> {
 
 pub fn rollback(a: RollbackArgs) -> anyhow::Result<u8> {
     let _ = a.quiet;
-    let mut img = Image::open(&a.file, OpenOptions::read_write())?;
+    let mut img = Image::open(&a.file, OpenOptions::read_write_deferred())?;
     img.snapshot_apply(&a.snap)?;
     img.close()?;
     Ok(0)
