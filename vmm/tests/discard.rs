@@ -317,7 +317,7 @@ fn two_vmms_share_an_image_with_discard_writes_and_leave_it_untouched() {
     b.child.kill().unwrap();
     b.child.wait().unwrap();
     assert!(free(&img), "the lock went with the killed VMM");
-    expect(&a.sock, "PUT", "vmm.shutdown", None, 204);
+    expect(&a.sock, "PUT", "vmm.shutdown", None, 200);
     assert_eq!(a.wait_exit(), Some(0));
 
     assert_eq!(listing(images.path()), files, "left behind");
@@ -348,7 +348,7 @@ fn the_overlay_directory_comes_from_pcow_discard_dir() {
         "{chain:?}"
     );
     assert!(listing(elsewhere.path()).is_empty());
-    expect(&v.sock, "PUT", "vmm.shutdown", None, 204);
+    expect(&v.sock, "PUT", "vmm.shutdown", None, 200);
     assert_eq!(v.wait_exit(), Some(0));
 
     // A directory that does not exist: the boot fails and says where the
@@ -367,7 +367,7 @@ fn the_overlay_directory_comes_from_pcow_discard_dir() {
     assert!(st >= 400, "{st} {body}");
     assert!(body.contains("PCOW_DISCARD_DIR"), "{body}");
     assert!(body.contains("missing"), "{body}");
-    expect(&v.sock, "PUT", "vmm.shutdown", None, 204);
+    expect(&v.sock, "PUT", "vmm.shutdown", None, 200);
     assert_eq!(v.wait_exit(), Some(0));
     assert!(std::fs::read(&img).unwrap() == bytes, "the image changed");
     assert!(free(&img));
