@@ -67,6 +67,8 @@ const IDT_ADDR: u64 = 0x1800;
 /// IDT gates: vectors 0, 1 (absent) and 2, the NMI.
 const IDT_GATES: u64 = 3;
 const NMI_VECTOR: u64 = 2;
+// The GDT, the IDT and the page tables do not overlap.
+const _: () = assert!(GDT_ADDR + 4 * 8 <= IDT_ADDR && IDT_ADDR + IDT_GATES * 16 <= PML4_ADDR);
 const PML4_ADDR: u64 = 0x2000;
 const PDPT_ADDR: u64 = 0x3000;
 const PD_ADDR: u64 = 0x4000;
@@ -716,8 +718,6 @@ mod tests {
         let mut first = [0u8; 2];
         mem.read_slice(&mut first, GuestAddress(handler)).unwrap();
         assert_eq!(first, [0x50, 0x52], "push rax; push rdx");
-        assert!(IDT_ADDR + IDT_GATES * 16 <= PML4_ADDR);
-        assert!(GDT_ADDR + 4 * 8 <= IDT_ADDR);
     }
 
     #[test]
