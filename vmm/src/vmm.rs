@@ -613,6 +613,27 @@ impl Vmm {
         })))
     }
 
+    // ---- power engineer (issue 16): power button and NMI -------------
+    /// `vm.power-button`: on a Running or Paused VM (as upstream: there the
+    /// event waits for the resume). The guest decides what to do; a
+    /// power-off then ends the VMM as any other.
+    fn power_button(&self) -> ApiResult {
+        let m = self.running()?;
+        m.power_button()
+            .map_err(|e| ApiError::with_source(500, "vm.power-button", &e))?;
+        log::info!("ACPI power button pressed");
+        Ok(None)
+    }
+
+    /// `vm.nmi`: on a Running or Paused VM (as upstream; a paused vCPU
+    /// takes it at the resume).
+    fn nmi(&self) -> ApiResult {
+        let n = self.running()?.nmi();
+        log::info!("NMI injected into {n} vCPU(s)");
+        Ok(None)
+    }
+    // ---- end power engineer -----------------------------------------
+
     fn pmem_info(&self) -> ApiResult {
         let vm = self.vm()?;
         let mut out = Vec::new();
@@ -732,6 +753,8 @@ impl RequestHandler for Vmm {
             ApiRequest::PmemSnapshotDelete(r) => self.pmem_snapshot_delete(r),
             ApiRequest::PmemFlush(d) => self.pmem_flush(&d.id),
             ApiRequest::PmemInfo => self.pmem_info(),
+            ApiRequest::VmPowerButton => self.power_button(),
+            ApiRequest::VmNmi => self.nmi(),
         }
     }
 }

@@ -123,6 +123,10 @@ pub enum ApiRequest {
     PmemFlush(DeviceId),
     /// `GET vm.pmem-info`.
     PmemInfo,
+    /// `PUT vm.power-button`.
+    VmPowerButton,
+    /// `PUT vm.nmi`.
+    VmNmi,
 }
 
 /// A failed action: the HTTP status and the error chain, outermost first.

@@ -30,6 +30,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("vm.pmem-snapshot-delete", "PUT"),
     ("vm.pmem-flush", "PUT"),
     ("vm.pmem-info", "GET"),
+    // power engineer (issue 16): power button and NMI.
+    ("vm.power-button", "PUT"),
+    ("vm.nmi", "PUT"),
 ];
 
 fn json<T: DeserializeOwned>(action: &str, body: &[u8]) -> Result<T, ApiError> {
@@ -99,6 +102,8 @@ pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, ApiErr
         "vm.pmem-snapshot-delete" => ApiRequest::PmemSnapshotDelete(json(action, body)?),
         "vm.pmem-flush" => ApiRequest::PmemFlush(json(action, body)?),
         "vm.pmem-info" => nb(ApiRequest::PmemInfo)?,
+        "vm.power-button" => nb(ApiRequest::VmPowerButton)?,
+        "vm.nmi" => nb(ApiRequest::VmNmi)?,
         other => return Err(ApiError::new(404, format!("unknown path {PREFIX}{other}"))),
     })
 }
@@ -117,6 +122,14 @@ mod tests {
         assert_eq!(
             route("PUT", "/api/v1/vm.boot", b" \n").unwrap(),
             ApiRequest::VmBoot
+        );
+        assert_eq!(
+            route("PUT", "/api/v1/vm.power-button", b"").unwrap(),
+            ApiRequest::VmPowerButton
+        );
+        assert_eq!(
+            route("PUT", "/api/v1/vm.nmi", b"").unwrap(),
+            ApiRequest::VmNmi
         );
         assert_eq!(
             route(
@@ -140,6 +153,8 @@ mod tests {
         assert_eq!(allowed_method("/api/v1/vm.info"), Some("GET"));
         assert_eq!(allowed_method("/api/v1/vm.nothing"), None);
         assert_eq!(e("PUT", "/api/v1/vm.boot", b"{}").status, 400);
+        assert_eq!(e("PUT", "/api/v1/vm.nmi", b"{\"x\":1}").status, 400);
+        assert_eq!(e("GET", "/api/v1/vm.power-button", b"").status, 405);
         assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"").status, 400);
         assert_eq!(e("PUT", "/api/v1/vm.pmem-snapshot", b"{").status, 400);
         assert_eq!(

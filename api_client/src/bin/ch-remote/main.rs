@@ -104,6 +104,10 @@ enum Command {
     },
     /// Print every pmem device's image state (GET vm.pmem-info).
     PmemInfo,
+    /// Press the guest's ACPI power button (PUT vm.power-button).
+    PowerButton,
+    /// Inject an NMI into every vCPU (PUT vm.nmi).
+    Nmi,
 }
 
 /// What went wrong, as lines for stderr: the server's error chain as it
@@ -187,6 +191,8 @@ fn run(cli: Cli) -> Result<Option<String>, Failure> {
             client.put_json("vm.pmem-flush", &body::DeviceId { id: &id })?
         }
         Command::PmemInfo => client.get("vm.pmem-info")?,
+        Command::PowerButton => client.put("vm.power-button")?,
+        Command::Nmi => client.put("vm.nmi")?,
     };
     Ok(answer)
 }
