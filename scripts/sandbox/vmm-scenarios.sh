@@ -55,8 +55,8 @@
 #                     (and write faults for the same writes into a copy of
 #                     the thin image), check clean, the file holds the whole
 #                     virtual size
-#  14 power-button    --api-socket: `ch-remote nmi` (the guest logs "NMI
-#                     received"), then `ch-remote power-button`: busybox acpid
+#  14 power-button    --api-socket: `ch-remote nmi` (the guest logs an NMI
+#                     report), then `ch-remote power-button`: busybox acpid
 #                     in the guest runs its handler, the guest powers off
 #                     cleanly, VMM exit 0, check clean, the files written
 #                     before and after the press are in the image
@@ -68,7 +68,7 @@
 #     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12 13" (a subset runs only those; 9-13
+#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12 13 14" (a subset runs only those; 9-14
 #     need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
 #   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
 #   VMMSC_S7_REBOOTS (scenario 7 runs each reboot variant this many times,
