@@ -449,11 +449,11 @@ case $scenario in
         # device; busybox acpid runs /etc/acpi/PWRF/00000080 for it, which
         # tells this script to end: the init then syncs, unmounts and powers
         # off, as a distro does on the button. First, an NMI from L1 must show
-        # in the kernel log: no NMI source of the guest claims it, so the
-        # kernel reads its reason from port 0x61, which our VMM answers with
-        # 0xff (no device there), and reports "NMI: PCI system error (SERR)
-        # for reason ff"; with 0 there it says "Uhhuh. NMI received for
-        # unknown reason 00".
+        # in the kernel log: no NMI source of the guest claims it, the kernel
+        # reads port 0x61 (0x20: no PCI SERR, no I/O check) and reports
+        # "Uhhuh. NMI received for unknown reason 20" (a PCI SERR or IOCK
+        # report would mean a wrong port 0x61: still an NMI, but vmm-l1.sh's
+        # verdict wants the unknown-reason one).
         need_dax
         gen "s14 before the button" 40000 >$M/s14-before.txt
         sync

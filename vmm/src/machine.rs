@@ -526,6 +526,8 @@ impl Machine {
         ports
             .add_pci_config(PciConfigIo::new(bus.clone()))
             .map_err(MachineError::Ports)?;
+        // Where Linux looks for the source of an NMI (vm.nmi).
+        ports.add_system_control_b().map_err(MachineError::Ports)?;
         let ports = ports.build();
         let ged = irq::irqfd(vm.fd(), acpi::GED_GSI).map_err(MachineError::Irq)?;
 
