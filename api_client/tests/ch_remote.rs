@@ -517,7 +517,7 @@ fn openapi_routes() -> Vec<(String, String)> {
 #[test]
 fn commands_cover_the_openapi_routes() {
     let routes = openapi_routes();
-    assert_eq!(routes.len(), 18, "{routes:?}");
+    assert_eq!(routes.len(), 20, "{routes:?}");
     let table: Vec<(String, Vec<u8>)> = routes
         .iter()
         .map(|(m, p)| (format!("{m} {p}"), no_content()))
@@ -527,7 +527,7 @@ fn commands_cover_the_openapi_routes() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("vm.json");
     std::fs::write(&config, "{}").unwrap();
-    let commands: [&[&str]; 18] = [
+    let commands: [&[&str]; 20] = [
         &["ping"],
         &["shutdown-vmm"],
         &["create", config.to_str().unwrap()],
@@ -546,6 +546,8 @@ fn commands_cover_the_openapi_routes() {
         &["pmem-snapshot-delete", "a", "t"],
         &["pmem-flush", "a"],
         &["pmem-info"],
+        &["power-button"],
+        &["nmi"],
     ];
     for args in commands {
         let out = server.run(args);
