@@ -169,6 +169,8 @@ req overlay PUT vm.pmem-overlay '{"id":"p0","file":"/ov.pcow"}'
 req rollback PUT vm.pmem-rollback '{"id":"p0","snapshot":"t1","reset":true}'
 req snapshot-delete PUT vm.pmem-snapshot-delete '{"id":"p0","snapshot":"1"}'
 req flush PUT vm.pmem-flush '{"id":"p0"}'
+req power-button PUT vm.power-button
+req nmi PUT vm.nmi
 
 # options: values of each option kind.
 opt_dir="$root/fuzz/corpus/options"

@@ -4,7 +4,8 @@
 # nested-sandbox tests that boot real Linux guests (scripts/sandbox/).
 # On a fresh Debian 12 machine it first installs what the tests need
 # (qemu-img, the reference tool the tests compare against; libclang-dev;
-# python3-venv for the API's property-based test).
+# python3-venv for the API's property-based test; acpica-tools for the
+# DSDT check).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -48,6 +49,12 @@ if [ "${API_FUZZ:-1}" != 0 ] && [ -x /usr/bin/dpkg ] \
     step "python3-venv missing: installing it"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y python3 python3-venv
+fi
+if [ -x /usr/bin/dpkg ] && ! command -v iasl >/dev/null 2>&1; then
+    # ACPICA's iasl disassembles and recompiles the VMM's DSDT (acpi.rs test).
+    step "iasl missing: installing acpica-tools"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y acpica-tools
 fi
 echo "cargo:    $(cargo --version)"
 echo "qemu-img: $(qemu-img --version | head -n1)"

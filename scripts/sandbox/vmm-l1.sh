@@ -1042,6 +1042,41 @@ sc13() {
     note="preallocated in L1 (file $((len / 1048576)) MiB for $((SIZE / 1048576)) MiB virtual); two boots wrote and read back every file with 0 faults (the thin image: ${ft%% *} write faults); check rc=0"
 }
 
+# ---- scenario 14: the ACPI power button (and an NMI) over the API ---------------
+# The guest writes a file, starts busybox acpid, says GUEST-S14-NMI-WAIT; L1
+# sends `ch-remote nmi`, the guest finds "NMI received" in its kernel log and
+# says GUEST-S14-WAITING; L1 sends `ch-remote power-button`: the guest's
+# handler runs, it writes a second file and powers off cleanly; the VMM exits
+# 0 (as on any guest power-off), the image checks clean.
+sc14_api() {
+    until_ 60 grep -q GUEST-S14-NMI-WAIT $L/s14-button.log \
+        || { why="s14: the guest never said GUEST-S14-NMI-WAIT$(guest_said s14-button)"; return 1; }
+    api s14-nmi nmi
+    [ $arc -eq 0 ] || { why="s14: ch-remote nmi: rc=$arc ($(api_err s14-nmi))"; return 1; }
+    until_ 60 grep -q GUEST-S14-WAITING $L/s14-button.log \
+        || { why="s14: the guest did not see the NMI$(guest_said s14-button)"; return 1; }
+    api s14-info info
+    [ "$(json_state s14-info)" = Running ] || { why="s14: state '$(json_state s14-info)' before the button, expected Running"; return 1; }
+    api s14-button power-button
+    [ $arc -eq 0 ] || { why="s14: ch-remote power-button: rc=$arc ($(api_err s14-button))"; return 1; }
+}
+sc14() {
+    [ "$VMM" = ch ] || { why="needs our VMM's API (VMMSC_VMM=qemu has none)"; return 1; }
+    img=$(img_in s14) || { why="no image"; return 1; }
+    live_run s14-button "file=$img" "l2.scenario=s14button" 1 GUEST-NEVER sc14_api
+    img_out "$img"
+    [ -z "$why" ] || return 1
+    booted_ok s14-button || return 1
+    grep -q GUEST-S14-PRESSED $L/s14-button.log || { why="s14: the guest's power button handler did not run$(guest_said s14-button)"; return 1; }
+    vmm_logged s14-button 'ACPI power button pressed' || { why="s14: no 'ACPI power button pressed' in the VMM log"; return 1; }
+    vmm_logged s14-button 'guest powered off' || { why="s14: no 'guest powered off' in the VMM log"; return 1; }
+    img_check "$img"
+    [ $crc -eq 0 ] || { why="pcow-img check after the power button: rc=$crc"; return 1; }
+    nmi=$(sed -n 's/.*GUEST-S14-NMI \(.*\)/\1/p' $L/s14-button.log | tr -d '\r' | head -n1 | cut -c1-80)
+    case $nmi in *"NMI received for unknown reason"*) ;; *) why="s14: the guest took the NMI for something else: '$nmi'"; return 1 ;; esac
+    note="guest logged '$nmi' after vm.nmi; vm.power-button: acpid ran its handler, the guest powered off, VMM exit 0, check rc=0"
+}
+
 run() { # K FUNCTION
     t_sc=$(up)
     why=

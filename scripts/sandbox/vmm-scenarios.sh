@@ -55,6 +55,11 @@
 #                     (and write faults for the same writes into a copy of
 #                     the thin image), check clean, the file holds the whole
 #                     virtual size
+#  14 power-button    --api-socket: `ch-remote nmi` (the guest logs an NMI
+#                     report), then `ch-remote power-button`: busybox acpid
+#                     in the guest runs its handler, the guest powers off
+#                     cleanly, VMM exit 0, check clean, the files written
+#                     before and after the press are in the image
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
@@ -63,7 +68,7 @@
 #     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12 13" (a subset runs only those; 9-13
+#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12 13 14" (a subset runs only those; 9-14
 #     need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
 #   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
 #   VMMSC_S7_REBOOTS (scenario 7 runs each reboot variant this many times,
@@ -103,7 +108,7 @@ VMM=${VMMSC_VMM:-ch}
 if [ "$VMM" = qemu ]; then
     SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
 else
-    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11 12 13}
+    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11 12 13 14}
 fi
 SIZE=$((64 * 1048576))  # the images' virtual size
 SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
@@ -111,7 +116,7 @@ SIZE8=$((32 * 1048576)) # scenario 8's raw (second) device
 S10_BYTES=$((24 * 1048576)) # scenario 10's file (more than its tmpfs holds)
 S12_BYTES=$((8 * 1048576))  # scenario 12's file (2048 pages)
 case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
-declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign [12]=write-tracking [13]=preallocated)
+declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign [12]=write-tracking [13]=preallocated [14]=power-button)
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 
 # File contents, as vmm-guest.sh generates them (yes dies of SIGPIPE).
@@ -173,7 +178,9 @@ else
     "$SANDBOX_SCRIPTS/build-l1.sh" >/dev/null
     rm -rf "$payload" "$host" "$out"
     mkdir -p "$payload/img" "$host"
-    "$SANDBOX_SCRIPTS/build-l2.sh" "$SANDBOX_SCRIPTS/vmm-guest.sh" "$payload/l2" >/dev/null
+    # button + evdev: scenario 14's power button reaches acpid as an input event.
+    SANDBOX_L2_MODULES="${SANDBOX_L2_MODULES:-} button evdev" \
+        "$SANDBOX_SCRIPTS/build-l2.sh" "$SANDBOX_SCRIPTS/vmm-guest.sh" "$payload/l2" >/dev/null
     cp "$SANDBOX_SCRIPTS/vmm-l1.sh" "$payload/run.sh"
     # Binaries without their debug info: a smaller initramfs to unpack under TCG.
     strip_copy() {
@@ -280,6 +287,7 @@ EOF
             11) mkimg s11 ;;
             12) mkimg s12 ;;
             13) mkimg s13 ;;
+            14) mkimg s14 ;;
         esac
     done
     t_build=$(elapsed "$t")
@@ -558,6 +566,15 @@ host13() {
     local i
     for i in 1 7 24; do fsame "$flat/s13p.raw" "/d$((i % 4))/f$i" "s1 file $i" $((i * 5000 + 123)); done
     fsame "$flat/s13p.raw" /big.bin "s1 big" 3145728
+    [ -z "$hwhy" ]
+}
+
+# Scenario 14: the files written before and after the power button press.
+host14() {
+    pcheck s14 0 && flatten s14 || return 1
+    fsck_ok s14
+    fsame "$flat/s14.raw" /s14-before.txt "s14 before the button" 40000
+    fsame "$flat/s14.raw" /s14-after.txt "s14 after the button" 30000
     [ -z "$hwhy" ]
 }
 

@@ -31,7 +31,18 @@
 //! - **DSDT**: `\_SB_.PCI0` (PNP0A08, compatible PNP0A03) with `_CRS`: the
 //!   bus range, the configuration ports 0xcf8..0xcff, the I/O window, the
 //!   32-bit MMIO window and the 64-bit one given in [`AcpiConfig`]; `\_SB_.MBRD` (PNP0C02) reserving the
-//!   ECAM window (Linux wants MCFG areas reserved by the firmware); `\_S5_`.
+//!   ECAM window (Linux wants MCFG areas reserved by the firmware);
+//!   `\_SB_.COM1`; the power button (below); `\_S5_`.
+//! - **Power button**, for `vm.power-button`: hardware-reduced ACPI has no
+//!   fixed power button and no GPEs, so the button is a control-method
+//!   device `\_SB_.PWRB` (`PNP0C0C`, which Linux's `button` driver binds)
+//!   and the event comes through a Generic Event Device `\_SB_.GED_`
+//!   (`ACPI0013`, bound by Linux's built-in `evged`): its `_CRS` names one
+//!   edge-triggered, active-high interrupt, GSI [`GED_GSI`], and its
+//!   `_EVT(gsi)` method does `Notify(\_SB_.PWRB, 0x80)` ("button pressed")
+//!   for that GSI. The VMM raises the GSI through an irqfd; the guest's
+//!   `button` driver turns the notification into a `KEY_POWER` input event
+//!   (what `acpid` or systemd-logind act on).
 
 use acpi_tables::fadt::{FADTBuilder, Flags};
 use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
@@ -55,6 +66,12 @@ pub const RESET_VALUE: u8 = 1;
 pub const S5_SLEEP_TYPE: u8 = 5;
 /// `SLP_EN` in the sleep control register.
 pub const SLP_EN: u8 = 1 << 5;
+/// The GSI of the Generic Event Device (the power button's interrupt): an
+/// IO-APIC pin no other device uses (COM1 has 4, virtio-pci functions use
+/// MSI-X), the one upstream Cloud Hypervisor gives its GED on x86.
+pub const GED_GSI: u32 = 5;
+/// `Notify` value of a control-method power button: pressed.
+const NOTIFY_BUTTON_PRESSED: u8 = 0x80;
 /// Alignment of each table.
 const TABLE_ALIGN: u64 = 16;
 /// FADT `IAPC_BOOT_ARCH`: VGA not present.
@@ -191,7 +208,22 @@ fn dsdt(cfg: &AcpiConfig) -> Vec<u8> {
     let com1_crs = aml::Name::new("_CRS".into(), &com1_crs);
     let com1 = aml::Device::new("COM1".into(), vec![&com1_hid, &uid, &com1_crs]);
 
-    let sb = aml::Scope::new("\\_SB_".into(), vec![&pci0, &mbrd, &com1]);
+    // The power button and the Generic Event Device that notifies it (see
+    // the module docs).
+    let pwrb_hid = aml::Name::new("_HID".into(), &aml::EISAName::new("PNP0C0C"));
+    let pwrb = aml::Device::new("PWRB".into(), vec![&pwrb_hid, &uid]);
+    let ged_hid = aml::Name::new("_HID".into(), &"ACPI0013");
+    let ged_irq = aml::Interrupt::new(true, true, false, false, GED_GSI);
+    let ged_crs = aml::ResourceTemplate::new(vec![&ged_irq]);
+    let ged_crs = aml::Name::new("_CRS".into(), &ged_crs);
+    let pwrb_path = aml::Path::new("\\_SB_.PWRB");
+    let notify = aml::Notify::new(&pwrb_path, &NOTIFY_BUTTON_PRESSED);
+    let is_ours = aml::Equal::new(&aml::Arg(0), &GED_GSI);
+    let if_ours = aml::If::new(&is_ours, vec![&notify]);
+    let evt = aml::Method::new("_EVT".into(), 1, true, vec![&if_ours]);
+    let ged = aml::Device::new("GED_".into(), vec![&ged_hid, &uid, &ged_crs, &evt]);
+
+    let sb = aml::Scope::new("\\_SB_".into(), vec![&pci0, &mbrd, &com1, &pwrb, &ged]);
     let s5_package = aml::Package::new(vec![&S5_SLEEP_TYPE]);
     let s5 = aml::Name::new("_S5_".into(), &s5_package);
 
@@ -503,6 +535,140 @@ mod tests {
             assert!(contains(&0x2_4000_0000u64.to_le_bytes()));
             assert!(contains(&(layout::PCI_MMIO32_START as u32).to_le_bytes()));
         }
+    }
+
+    /// The DSDT's bytes as the guest gets them (checked by `table`).
+    fn placed_dsdt() -> Vec<u8> {
+        let mem = mem();
+        let placed = create_acpi_tables(&mem, &AcpiConfig::new(2)).unwrap();
+        let (_, addr, _) = placed
+            .tables
+            .iter()
+            .find(|t| &t.0 == b"DSDT")
+            .copied()
+            .unwrap();
+        table(&mem, addr)
+    }
+
+    /// Reads an AML PkgLength at `b[0..]`: (value, bytes it took).
+    fn pkg_length(b: &[u8]) -> (usize, usize) {
+        let extra = usize::from(b[0] >> 6);
+        if extra == 0 {
+            return (usize::from(b[0] & 0x3f), 1);
+        }
+        let mut v = usize::from(b[0] & 0x0f);
+        for (i, x) in b[1..=extra].iter().enumerate() {
+            v |= usize::from(*x) << (4 + 8 * i);
+        }
+        (v, extra + 1)
+    }
+
+    /// The body of the `Device` named `name` (a 4-character NameSeg)
+    /// inside `aml`, checking that its PkgLength ends inside `aml`.
+    fn device_body<'a>(aml: &'a [u8], name: &[u8; 4]) -> &'a [u8] {
+        // ExtOpPrefix DeviceOp, PkgLength (1..4 bytes), the name.
+        let at = (0..aml.len().saturating_sub(2))
+            .find(|&i| {
+                aml[i] == 0x5b && aml[i + 1] == 0x82 && {
+                    let (_, n) = pkg_length(&aml[i + 2..]);
+                    aml.get(i + 2 + n..i + 6 + n) == Some(&name[..])
+                }
+            })
+            .unwrap_or_else(|| panic!("no Device {:?}", String::from_utf8_lossy(name)));
+        let (len, n) = pkg_length(&aml[at + 2..]);
+        let end = at + 2 + len;
+        assert!(end <= aml.len(), "Device {name:?} runs past the table");
+        &aml[at + 2 + n + 4..end]
+    }
+
+    #[test]
+    fn power_button_and_its_event_device() {
+        let dsdt = placed_dsdt();
+        let aml = &dsdt[36..];
+        let contains = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+
+        // \_SB_.PWRB: a control-method power button.
+        let pwrb = device_body(aml, b"PWRB");
+        assert!(contains(pwrb, &to_bytes(&aml::EISAName::new("PNP0C0C"))));
+
+        // \_SB_.GED_: ACPI0013, one edge/high interrupt on GED_GSI, _EVT.
+        let ged = device_body(aml, b"GED_");
+        assert!(contains(ged, b"_HID\x0dACPI0013\x00"), "string _HID");
+        let irq = [0x89, 6, 0, 0b0011, 1, GED_GSI as u8, 0, 0, 0];
+        assert!(
+            contains(ged, &irq),
+            "Interrupt(consumer, edge, high) {{{GED_GSI}}}"
+        );
+        // Method (_EVT, 1 argument, serialized): If (Arg0 == GED_GSI)
+        // Notify (\_SB_.PWRB, 0x80).
+        let evt = ged
+            .windows(5)
+            .position(|w| w[0] == 0x14 && &w[2..5] == b"_EV")
+            .expect("_EVT method");
+        assert_eq!(ged[evt + 5], b'T');
+        assert_eq!(ged[evt + 6], 0x09, "1 argument, serialized");
+        let body = &ged[evt + 7..];
+        let arg0_is_gsi = [0x93, 0x68, 0x0a, GED_GSI as u8]; // LEqual Arg0 ByteConst
+        assert!(contains(body, &arg0_is_gsi));
+        let mut notify = vec![0x86, b'\\', 0x2e];
+        notify.extend_from_slice(b"_SB_PWRB");
+        notify.extend_from_slice(&[0x0a, NOTIFY_BUTTON_PRESSED]);
+        assert!(contains(body, &notify), "Notify (\\_SB_.PWRB, 0x80)");
+        // The interrupt is free: not COM1's, an IO-APIC pin, no override.
+        const { assert!(GED_GSI != COM1_IRQ && GED_GSI < layout::IOAPIC_PINS) };
+        assert!(ISA_OVERRIDES.iter().all(|o| o.1 != GED_GSI));
+    }
+
+    /// ACPICA's disassembler and compiler (Debian's `acpica-tools`) on the
+    /// DSDT: it must disassemble, name the devices, and compile back
+    /// without errors (every name it references resolves).
+    #[test]
+    fn dsdt_round_trips_through_iasl() {
+        let iasl = std::env::var_os("PATH").and_then(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("iasl"))
+                .find(|f| f.is_file())
+        });
+        let Some(iasl) = iasl else {
+            println!("SKIPPED: no iasl (apt-get install acpica-tools)");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let dat = dir.path().join("dsdt.dat");
+        std::fs::write(&dat, placed_dsdt()).unwrap();
+        let out = std::process::Command::new(&iasl)
+            .current_dir(dir.path())
+            .args(["-d", "dsdt.dat"])
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "iasl -d: {log}");
+        let dsl = std::fs::read_to_string(dir.path().join("dsdt.dsl")).unwrap();
+        for needle in [
+            "Device (PWRB)",
+            "EisaId (\"PNP0C0C\")",
+            "Device (GED)",
+            "Name (_HID, \"ACPI0013\"",
+            "Interrupt (ResourceConsumer, Edge, ActiveHigh, Exclusive, ,, )",
+            "0x00000005,",
+            "Method (_EVT, 1, Serialized)",
+            "If ((Arg0 == 0x05))",
+            "Notify (\\_SB.PWRB, 0x80)",
+            "Device (PCI0)",
+            "Device (COM1)",
+        ] {
+            assert!(dsl.contains(needle), "no {needle:?} in:\n{dsl}");
+        }
+        let out = std::process::Command::new(&iasl)
+            .current_dir(dir.path())
+            .args(["-p", "recompiled", "dsdt.dsl"])
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "iasl (compile): {log}");
+        assert!(log.contains(" 0 Errors"), "iasl (compile): {log}");
     }
 
     #[test]

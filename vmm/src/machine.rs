@@ -162,6 +162,8 @@ pub enum MachineError {
     Power(#[source] crate::legacy::power::PowerError),
     #[error("creating an eventfd")]
     EventFd(#[source] std::io::Error),
+    #[error("raising the power button interrupt (GSI {})", acpi::GED_GSI)]
+    PowerButton(#[source] std::io::Error),
 }
 
 /// The copy-on-write granularity: a barrier moves whole 4 KiB pages.
@@ -447,6 +449,9 @@ pub struct Machine {
     /// Why the VMM paused the guest by itself (a pmem device found its
     /// file system full), until `vm.resume` finds space again.
     pub pause_reason: Option<String>,
+    /// The ACPI Generic Event Device's interrupt (an irqfd on
+    /// [`acpi::GED_GSI`]): the power button.
+    ged: EventFd,
     bus: Arc<Mutex<PciBus>>,
     ports: crate::legacy::ports::PortBus,
     _router: Arc<GsiRouter>,
@@ -622,7 +627,10 @@ impl Machine {
         ports
             .add_pci_config(PciConfigIo::new(bus.clone()))
             .map_err(MachineError::Ports)?;
+        // Where Linux looks for the source of an NMI (vm.nmi).
+        ports.add_system_control_b().map_err(MachineError::Ports)?;
         let ports = ports.build();
+        let ged = irq::irqfd(vm.fd(), acpi::GED_GSI).map_err(MachineError::Irq)?;
 
         // ACPI tables, now that the PCI window is known.
         acpi::create_acpi_tables(
@@ -666,6 +674,7 @@ impl Machine {
             vcpu_exit: Arc::new(EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?),
             ctl,
             pause_reason: None,
+            ged,
             bus,
             ports,
             _router: router,
@@ -760,6 +769,22 @@ impl Machine {
     /// Asks every vCPU to stop (they leave `KVM_RUN` at the kick).
     pub fn stop_vcpus(&self) {
         self.ctl.stop();
+    }
+
+    /// Presses the ACPI power button: raises the Generic Event Device's
+    /// interrupt, whose `_EVT` notifies `\_SB_.PWRB` (see [`crate::acpi`]).
+    /// What happens next is the guest's choice (a Linux guest with an ACPI
+    /// event handler powers off, and the VMM then ends as on any guest
+    /// power-off). On a paused VM the interrupt waits for the resume.
+    pub fn power_button(&self) -> Result<(), MachineError> {
+        self.ged.write(1).map_err(MachineError::PowerButton)
+    }
+
+    /// Injects an NMI into every vCPU (each vCPU's thread queues it before
+    /// its next run; a paused vCPU takes it at the resume). Returns how many
+    /// vCPUs got one.
+    pub fn nmi(&self) -> usize {
+        self.ctl.nmi()
     }
 
     /// The first device that waits for free space, and why.

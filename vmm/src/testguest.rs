@@ -22,11 +22,17 @@
 //! halts or, with [`TestGuest::idle`], spins (inside `KVM_RUN`) and polls
 //! the port with `in` until the host answers non-zero, then halts.
 //!
+//! An NMI (vector 2, the only gate of its IDT) reports [`Report::Nmi`] on
+//! the port and returns to where the guest was, so a test sees each NMI
+//! the VMM injects.
+//!
 //! Guest memory layout (all in the first 64 KiB of RAM):
 //!
 //! | address | content |
 //! |---|---|
+//! | `0x0..0x1000` | stack (grows down from `0x1000`) |
 //! | `0x1000` | GDT: null, code64, data, TSS |
+//! | `0x1800` | IDT: vectors 0..=2, only 2 (NMI) present |
 //! | `0x2000` | PML4 |
 //! | `0x3000` | PDPT |
 //! | `0x4000..0xc000` | up to 8 page directories (2 MiB pages, 8 GiB: RAM and pmem regions from 4 GiB) |
@@ -52,8 +58,17 @@ pub const TEST_PORT: u16 = 0x0510;
 const FAIL_BIT: u32 = 1 << 31;
 /// Bit set in the final report.
 const DONE_BIT: u32 = 1 << 30;
+/// The report of the NMI handler.
+const NMI_REPORT: u32 = 1 << 29;
 
+const STACK_TOP: u64 = 0x1000;
 const GDT_ADDR: u64 = 0x1000;
+const IDT_ADDR: u64 = 0x1800;
+/// IDT gates: vectors 0, 1 (absent) and 2, the NMI.
+const IDT_GATES: u64 = 3;
+const NMI_VECTOR: u64 = 2;
+// The GDT, the IDT and the page tables do not overlap.
+const _: () = assert!(GDT_ADDR + 4 * 8 <= IDT_ADDR && IDT_ADDR + IDT_GATES * 16 <= PML4_ADDR);
 const PML4_ADDR: u64 = 0x2000;
 const PDPT_ADDR: u64 = 0x3000;
 const PD_ADDR: u64 = 0x4000;
@@ -278,12 +293,16 @@ pub enum Report {
     Fail(u32),
     /// The table is done; `n` checks ran.
     Done(u32),
+    /// The guest took an NMI.
+    Nmi,
 }
 
 impl Report {
     /// Decodes a 32-bit `out` to [`TEST_PORT`].
     pub fn decode(v: u32) -> Report {
-        if v & DONE_BIT != 0 {
+        if v == NMI_REPORT {
+            Report::Nmi
+        } else if v & DONE_BIT != 0 {
             Report::Done(v & !DONE_BIT)
         } else if v & FAIL_BIT != 0 {
             Report::Fail(v & !FAIL_BIT)
@@ -369,8 +388,9 @@ impl Asm {
     }
 }
 
-/// The guest's code, loaded at `CODE_ADDR`.
-fn program(idle: Option<u32>) -> Result<Vec<u8>, TestGuestError> {
+/// The guest's code, loaded at `CODE_ADDR`, and the offset of its NMI
+/// handler in it.
+fn program(idle: Option<u32>) -> Result<(Vec<u8>, usize), TestGuestError> {
     let mut a = Asm::new();
     let (next, write_loop, verify, read_loop, bad, report, done) = (
         a.label(),
@@ -455,7 +475,31 @@ fn program(idle: Option<u32>) -> Result<Vec<u8>, TestGuestError> {
     a.bind(halt);
     a.op(&[0xF4]); // hlt
     a.jmp8(&[0xEB], halt); // jmp halt (if ever resumed)
-    a.finish()
+                           // The NMI handler: reports, then returns to the interrupted code with
+                           // its registers intact.
+    let nmi = a.code.len();
+    let r = NMI_REPORT.to_le_bytes();
+    a.op(&[0x50]); // push rax
+    a.op(&[0x52]); // push rdx
+    a.op(&[0xB8, r[0], r[1], r[2], r[3]]); // mov eax, NMI_REPORT
+    a.op(&[0x66, 0xBA, port[0], port[1]]); // mov dx, TEST_PORT
+    a.op(&[0xEF]); // out dx, eax
+    a.op(&[0x5A]); // pop rdx
+    a.op(&[0x58]); // pop rax
+    a.op(&[0x48, 0xCF]); // iretq
+    Ok((a.finish()?, nmi))
+}
+
+/// A 64-bit interrupt gate to `handler` in the code segment.
+fn interrupt_gate(handler: u64) -> [u8; 16] {
+    let mut g = [0u8; 16];
+    g[0..2].copy_from_slice(&(handler as u16).to_le_bytes());
+    g[2..4].copy_from_slice(&0x08u16.to_le_bytes()); // selector: code64
+    g[4] = 0; // no IST: the current stack
+    g[5] = 0x8E; // present, ring 0, 64-bit interrupt gate
+    g[6..8].copy_from_slice(&((handler >> 16) as u16).to_le_bytes());
+    g[8..12].copy_from_slice(&((handler >> 32) as u32).to_le_bytes());
+    g
 }
 
 /// The `Write` and `Read` steps: entered with rbx = the entry, rdi = the
@@ -586,11 +630,16 @@ impl TestGuest {
             gdt_entry(TSS, 0, 0x67),
         ];
         w(&words(&gdt), GDT_ADDR)?;
-        w(&program(self.idle)?, CODE_ADDR)?;
+        let (code, nmi) = program(self.idle)?;
+        w(&code, CODE_ADDR)?;
+        w(
+            &interrupt_gate(CODE_ADDR + nmi as u64),
+            IDT_ADDR + NMI_VECTOR * 16,
+        )?;
         w(&table, TABLE_ADDR)?;
         Ok(Loaded {
             entry: CODE_ADDR,
-            stack: MIN_RAM,
+            stack: STACK_TOP,
         })
     }
 }
@@ -610,8 +659,8 @@ impl Loaded {
             s.tr = segment(0x18, TSS, 0, 0x67);
             s.gdt.base = GDT_ADDR;
             s.gdt.limit = 4 * 8 - 1;
-            s.idt.base = 0;
-            s.idt.limit = 0;
+            s.idt.base = IDT_ADDR;
+            s.idt.limit = (IDT_GATES * 16 - 1) as u16;
             s.cr3 = PML4_ADDR;
             s.cr4 |= CR4_PAE;
             s.cr0 = CR0_PE | CR0_MP | CR0_ET | CR0_NE | CR0_WP | CR0_PG;
@@ -634,10 +683,12 @@ mod tests {
 
     #[test]
     fn program_assembles_and_jumps_land_on_instructions() {
-        let code = program(Some(1000)).unwrap();
-        // mov rbx, imm64 first, hlt + jmp -2 last.
+        let (code, nmi) = program(Some(1000)).unwrap();
+        // mov rbx, imm64 first, hlt + jmp -2 before the NMI handler, which
+        // ends in iretq.
         assert_eq!(&code[..2], &[0x48, 0xBB]);
-        assert_eq!(&code[code.len() - 3..], &[0xF4, 0xEB, 0xFD]);
+        assert_eq!(&code[nmi - 3..nmi], &[0xF4, 0xEB, 0xFD]);
+        assert_eq!(&code[code.len() - 2..], &[0x48, 0xCF]);
         // "jz verify" skips exactly the 9 bytes of the three movs and the
         // 15-byte write loop.
         let jz = code
@@ -647,7 +698,26 @@ mod tests {
             + 4;
         assert_eq!(code[jz], 0x74);
         assert_eq!(code[jz + 1], 9 + 15);
-        assert!(program(None).unwrap().len() as u64 <= TABLE_ADDR - CODE_ADDR);
+        assert!(program(None).unwrap().0.len() as u64 <= TABLE_ADDR - CODE_ADDR);
+    }
+
+    #[test]
+    fn the_nmi_gate_points_at_the_handler() {
+        let g = interrupt_gate(0x1234_5678_9abc_def0);
+        assert_eq!(
+            g,
+            [0xf0, 0xde, 0x08, 0, 0, 0x8e, 0xbc, 0x9a, 0x78, 0x56, 0x34, 0x12, 0, 0, 0, 0]
+        );
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x20_0000)]).unwrap();
+        TestGuest::default().load(&mem, 0x20_0000).unwrap();
+        let mut gate = [0u8; 16];
+        mem.read_slice(&mut gate, GuestAddress(IDT_ADDR + NMI_VECTOR * 16))
+            .unwrap();
+        let handler = u64::from(u16::from_le_bytes([gate[0], gate[1]]))
+            | u64::from(u16::from_le_bytes([gate[6], gate[7]])) << 16;
+        let mut first = [0u8; 2];
+        mem.read_slice(&mut first, GuestAddress(handler)).unwrap();
+        assert_eq!(first, [0x50, 0x52], "push rax; push rdx");
     }
 
     #[test]
@@ -666,6 +736,8 @@ mod tests {
         assert_eq!(Report::decode(3), Report::Pass(3));
         assert_eq!(Report::decode(FAIL_BIT | 3), Report::Fail(3));
         assert_eq!(Report::decode(DONE_BIT | 7), Report::Done(7));
+        assert_eq!(Report::decode(NMI_REPORT), Report::Nmi);
+        assert_eq!(Report::decode(NMI_REPORT | 1), Report::Pass(NMI_REPORT | 1));
         let c = Check {
             gpa: 8,
             qwords: 2,

@@ -17,6 +17,13 @@
 //! userfaultfd fault inside `KVM_RUN` leaves it when the monitor (on
 //! another thread) resolves the fault, or at the signal.
 //!
+//! [`VcpuControl::nmi`] injects an NMI into every vCPU. `KVM_NMI` is a
+//! vCPU ioctl, so it is issued by the vCPU's own thread: the control marks
+//! an NMI pending for each vCPU and kicks the running ones (re-kicking
+//! every [`REKICK`], as a pause does); each thread takes its mark before
+//! its next `KVM_RUN` and queues the NMI there. A paused vCPU gets it when
+//! it resumes.
+//!
 //! The control implements the device crate's [`Quiesce`]: `hold` pauses
 //! and returns once no vCPU is inside `KVM_RUN`, `release` resumes. Holds
 //! nest (a count).
@@ -42,6 +49,9 @@ use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 /// How often a pause re-kicks vCPUs that have not acknowledged it.
 pub const REKICK: Duration = Duration::from_millis(2);
+/// How long [`VcpuControl::nmi`] waits for the running vCPUs to take their
+/// NMI; one still inside `KVM_RUN` then gets it at its next exit.
+pub const NMI_WAIT: Duration = Duration::from_secs(1);
 /// MMIO exits logged in full; after that, one line per this many.
 const MMIO_LOG_EVERY: u64 = 1024;
 const MMIO_LOG_FIRST: u64 = 16;
@@ -158,6 +168,8 @@ pub struct VcpuStats {
     pub interrupted: u64,
     /// Times the vCPU waited paused.
     pub pauses: u64,
+    /// NMIs queued with `KVM_NMI` ([`VcpuControl::nmi`]).
+    pub nmis: u64,
 }
 
 /// A vCPU (not yet running).
@@ -216,6 +228,8 @@ struct CtlState {
     holds: usize,
     stop: bool,
     vcpus: Vec<RunState>,
+    /// Per vCPU: an NMI to queue before its next `KVM_RUN`.
+    nmi: Vec<bool>,
 }
 
 impl CtlState {
@@ -224,6 +238,24 @@ impl CtlState {
             .iter()
             .all(|s| !matches!(s, RunState::Running(_)))
     }
+
+    /// Whether a vCPU inside (or about to enter) `KVM_RUN` still has to
+    /// take its NMI.
+    fn nmi_waiting(&self) -> bool {
+        self.vcpus
+            .iter()
+            .zip(&self.nmi)
+            .any(|(s, n)| *n && matches!(s, RunState::Running(_)))
+    }
+}
+
+/// What a vCPU does before its next `KVM_RUN`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Leave the loop.
+    Stop,
+    /// Run; queue an NMI first if `nmi`.
+    Run { nmi: bool },
 }
 
 /// Pauses, resumes and stops the vCPUs registered with it.
@@ -246,7 +278,15 @@ impl VcpuControl {
     }
 
     fn kick_running(s: &CtlState) {
-        for st in &s.vcpus {
+        Self::kick_where(s, |_| true);
+    }
+
+    /// Kicks the running vCPUs whose index `pick` accepts.
+    fn kick_where(s: &CtlState, pick: impl Fn(usize) -> bool) {
+        for (i, st) in s.vcpus.iter().enumerate() {
+            if !pick(i) {
+                continue;
+            }
             if let RunState::Running(t) = *st {
                 // `t` is the pthread of a vCPU thread that has not left its
                 // loop: it marks itself `Exited` under the state lock we
@@ -298,6 +338,32 @@ impl VcpuControl {
         self.cv.notify_all();
     }
 
+    /// Injects an NMI into every vCPU that has not exited: each vCPU's
+    /// thread queues it (`KVM_NMI`) before its next `KVM_RUN`. Kicks the
+    /// running vCPUs and waits (at most [`NMI_WAIT`]) until they have taken
+    /// it; paused vCPUs take it when they resume. Returns how many vCPUs
+    /// got one pending.
+    pub fn nmi(&self) -> usize {
+        let mut s = self.lock();
+        let mut n = 0;
+        for i in 0..s.vcpus.len() {
+            if s.vcpus[i] != RunState::Exited {
+                s.nmi[i] = true;
+                n += 1;
+            }
+        }
+        let deadline = std::time::Instant::now() + NMI_WAIT;
+        while s.nmi_waiting() && std::time::Instant::now() < deadline {
+            Self::kick_where(&s, |i| s.nmi[i]);
+            s = self
+                .cv
+                .wait_timeout(s, REKICK)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        n
+    }
+
     /// Number of vCPUs currently paused.
     pub fn paused(&self) -> usize {
         self.lock()
@@ -316,6 +382,7 @@ impl VcpuControl {
     fn register(&self) -> usize {
         let mut s = self.lock();
         s.vcpus.push(RunState::Starting);
+        s.nmi.push(false);
         s.vcpus.len() - 1
     }
 
@@ -327,8 +394,9 @@ impl VcpuControl {
     }
 
     /// Called by vCPU `idx` before each `KVM_RUN`: waits while paused;
-    /// returns false when the vCPU must stop.
-    fn may_run(&self, idx: usize, stats: &mut VcpuStats) -> bool {
+    /// says whether to stop, and whether to queue an NMI first (the NMI is
+    /// then no longer pending).
+    fn may_run(&self, idx: usize, stats: &mut VcpuStats) -> Next {
         let mut s = self.lock();
         if s.holds > 0 && !s.stop {
             s.vcpus[idx] = RunState::Paused;
@@ -339,11 +407,16 @@ impl VcpuControl {
             }
         }
         if s.stop {
-            return false;
+            return Next::Stop;
         }
         // SAFETY: pthread_self has no preconditions.
         s.vcpus[idx] = RunState::Running(unsafe { libc::pthread_self() });
-        true
+        let nmi = std::mem::take(&mut s.nmi[idx]);
+        if nmi {
+            // `nmi` waits for this.
+            self.cv.notify_all();
+        }
+        Next::Run { nmi }
     }
 }
 
@@ -440,8 +513,14 @@ impl Vcpu {
         let mut stats = VcpuStats::default();
         let id = self.id;
         loop {
-            if !ctl.may_run(idx, &mut stats) {
-                return Ok((VcpuStop::Stopped, stats));
+            match ctl.may_run(idx, &mut stats) {
+                Next::Stop => return Ok((VcpuStop::Stopped, stats)),
+                Next::Run { nmi: false } => {}
+                Next::Run { nmi: true } => match self.fd.nmi() {
+                    Ok(()) => stats.nmis += 1,
+                    // Nothing the guest could do about it: the run goes on.
+                    Err(e) => log::warn!("vCPU {id}: KVM_NMI: {e}"),
+                },
             }
             match self.fd.run() {
                 Ok(VcpuExit::IoOut(port, data)) => {
@@ -600,7 +679,7 @@ mod tests {
         let t = std::thread::spawn(move || {
             let mut stats = VcpuStats::default();
             let mut runs = 0;
-            while c.may_run(a, &mut stats) {
+            while c.may_run(a, &mut stats) != Next::Stop {
                 runs += 1;
                 std::thread::sleep(Duration::from_millis(1));
             }
@@ -628,7 +707,7 @@ mod tests {
         let ctl = VcpuControl::new().unwrap();
         let a = ctl.register();
         let mut stats = VcpuStats::default();
-        assert!(ctl.may_run(a, &mut stats));
+        assert_eq!(ctl.may_run(a, &mut stats), Next::Run { nmi: false });
         // The "exit": a handler that would block on something the pausing
         // thread holds must not keep the pause waiting.
         ctl.handling(a);
@@ -637,7 +716,7 @@ mod tests {
         let c = ctl.clone();
         let t = std::thread::spawn(move || {
             let mut stats = VcpuStats::default();
-            let ran = c.may_run(a, &mut stats);
+            let ran = c.may_run(a, &mut stats) != Next::Stop;
             c.set(a, RunState::Exited);
             (ran, stats.pauses)
         });
@@ -648,5 +727,55 @@ mod tests {
         assert_eq!(ctl.paused(), 1, "the handler's return waits for the resume");
         ctl.resume();
         assert_eq!(t.join().unwrap(), (true, 1));
+    }
+
+    #[test]
+    fn an_nmi_is_taken_once_before_the_next_run() {
+        let ctl = VcpuControl::new().unwrap();
+        let (a, b) = (ctl.register(), ctl.register());
+        let mut stats = VcpuStats::default();
+        // Both still starting: marked, no wait (they check before their
+        // first run).
+        let start = std::time::Instant::now();
+        assert_eq!(ctl.nmi(), 2);
+        assert!(
+            start.elapsed() < NMI_WAIT,
+            "did not wait for starting vCPUs"
+        );
+        assert_eq!(ctl.may_run(a, &mut stats), Next::Run { nmi: true });
+        assert_eq!(ctl.may_run(a, &mut stats), Next::Run { nmi: false });
+        // a leaves its "run" for a handler: quiet, it takes the next NMI
+        // before it runs again.
+        ctl.handling(a);
+        // A "running" vCPU (a thread playing one, in and out of its run):
+        // the NMI waits for it to take it.
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let mut stats = VcpuStats::default();
+            let mut nmis = 0;
+            loop {
+                match c.may_run(b, &mut stats) {
+                    Next::Stop => break,
+                    Next::Run { nmi } => nmis += u32::from(nmi),
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            c.set(b, RunState::Exited);
+            nmis
+        });
+        // b took the first NMI at its first run; this one too, before
+        // `nmi` returns.
+        std::thread::sleep(Duration::from_millis(10));
+        let start = std::time::Instant::now();
+        assert_eq!(ctl.nmi(), 2);
+        assert!(start.elapsed() < NMI_WAIT, "b took it: no timeout");
+        assert!(!ctl.lock().nmi[b], "b took its NMI before nmi() returned");
+        assert!(ctl.lock().nmi[a], "a has not run since");
+        assert_eq!(ctl.may_run(a, &mut stats), Next::Run { nmi: true });
+        ctl.handling(a);
+        ctl.stop();
+        assert_eq!(t.join().unwrap(), 2);
+        // An exited vCPU gets none.
+        assert_eq!(ctl.nmi(), 1);
     }
 }

@@ -158,6 +158,14 @@ impl Vmm {
         self.vm.as_mut().ok_or_else(not_created)
     }
 
+    /// The machine of the running (or paused) VM; 500 otherwise.
+    fn machine(&self) -> Result<&Machine, ApiError> {
+        self.vm
+            .as_ref()
+            .and_then(|vm| vm.machine.as_ref())
+            .ok_or_else(not_running)
+    }
+
     /// The running (or paused) VM and its machine; 500 otherwise.
     fn machine_mut(&mut self) -> Result<(&mut VmState, &mut Machine), ApiError> {
         match self.vm.as_mut() {
@@ -757,6 +765,25 @@ impl Vmm {
         })))
     }
 
+    /// `vm.power-button`: on a Running or Paused VM (as upstream: there the
+    /// event waits for the resume). The guest decides what to do; a
+    /// power-off then ends the VMM as any other.
+    fn power_button(&self) -> ApiResult {
+        let m = self.machine()?;
+        m.power_button()
+            .map_err(|e| ApiError::with_source(500, "vm.power-button", &e))?;
+        log::info!("ACPI power button pressed");
+        Ok(None)
+    }
+
+    /// `vm.nmi`: on a Running or Paused VM (as upstream; a paused vCPU
+    /// takes it at the resume).
+    fn nmi(&self) -> ApiResult {
+        let n = self.machine()?.nmi();
+        log::info!("NMI injected into {n} vCPU(s)");
+        Ok(None)
+    }
+
     fn pmem_info(&self) -> ApiResult {
         let vm = self.vm()?;
         let mut out = Vec::new();
@@ -871,10 +898,8 @@ impl RequestHandler for Vmm {
                 Ok(None)
             }
             ApiRequest::VmCounters => self.counters(),
-            ApiRequest::VmPowerButton | ApiRequest::VmNmi => {
-                self.machine_mut()?;
-                Err(ApiError::new(500, "not wired yet"))
-            }
+            ApiRequest::VmPowerButton => self.power_button(),
+            ApiRequest::VmNmi => self.nmi(),
             ApiRequest::VmResize(r) => self.resize(r),
             ApiRequest::Unsupported(u) => self.unsupported(u),
             ApiRequest::VmAddPmem(cfg) => self.add_pmem(*cfg),

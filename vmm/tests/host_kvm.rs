@@ -263,6 +263,87 @@ fn pause_kicks_a_spinning_vcpu_out_of_kvm_run() {
     eprintln!("{test}: worst pause {worst:?}, {stats:?}");
 }
 
+/// Waits until the guest has reported `n` NMIs.
+fn wait_nmis(port: &Port, t: &VcpuThread, ctl: &VcpuControl, n: usize, what: &str) {
+    let start = Instant::now();
+    let count = || port.reports().iter().filter(|r| **r == Report::Nmi).count();
+    while count() < n {
+        if t.is_finished() || start.elapsed() > GUEST_DEADLINE {
+            ctl.stop();
+            panic!(
+                "{what}: {} of {n} NMIs reported after {:?}: {:?}",
+                count(),
+                start.elapsed(),
+                port.reports()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn nmi_reaches_a_spinning_guest_and_a_paused_one_at_resume() {
+    let test = "nmi_reaches_a_spinning_guest_and_a_paused_one_at_resume";
+    let Some(vm) = vm_or_skip(test, M2) else {
+        return;
+    };
+    // As in the previous test: the vCPU spins inside KVM_RUN, so the NMI
+    // must kick it out, be queued by its thread, and be taken by the
+    // guest's vector 2 handler, which reports it and returns to the spin.
+    let guest = TestGuest {
+        checks: Vec::new(),
+        idle: Some(u32::MAX >> 1),
+    };
+    let loaded = guest.load(vm.memory(), vm.ram_end()).unwrap();
+    let cpu = vm.create_vcpu(0).unwrap();
+    loaded.configure(&cpu).unwrap();
+    let ctl = VcpuControl::new().unwrap();
+    let port = Port::default();
+    let t = vcpu::spawn(cpu, ctl.clone(), Box::new(port.clone())).unwrap();
+    port.wait_done(&t, &ctl, test);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(ctl.nmi(), 1);
+    wait_nmis(&port, &t, &ctl, 1, test);
+    let first = port.reports().iter().filter(|r| **r == Report::Nmi).count();
+    assert_eq!(first, 1, "one NMI, one report: {:?}", port.reports());
+
+    // Paused: the NMI waits for the resume.
+    ctl.pause();
+    let start = Instant::now();
+    assert_eq!(ctl.nmi(), 1);
+    assert!(
+        start.elapsed() < vcpu::NMI_WAIT,
+        "nmi() waited for a paused vCPU"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        port.reports().iter().filter(|r| **r == Report::Nmi).count(),
+        1,
+        "the paused guest took an NMI: {:?}",
+        port.reports()
+    );
+    ctl.resume();
+    wait_nmis(&port, &t, &ctl, 2, test);
+
+    // The handler returned to the spin: the vCPU is still in its run.
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(!t.is_finished(), "the guest died after its NMIs");
+    ctl.stop();
+    let (stop, stats) = t.join().unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
+    assert_eq!(stop, VcpuStop::Stopped);
+    assert_eq!(stats.nmis, 2, "{stats:?}");
+    assert_eq!(
+        stats.io_in, 0,
+        "the guest never reached its poll: the NMIs came through kicks: {stats:?}"
+    );
+    assert_eq!(
+        port.reports(),
+        [Report::Done(0), Report::Nmi, Report::Nmi],
+        "nothing else reported"
+    );
+    eprintln!("{test}: {stats:?}");
+}
+
 /// The monitor on its own thread polling its fds, as the VMM's epoll loop
 /// will.
 struct MonitorThread {

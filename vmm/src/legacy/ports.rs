@@ -11,6 +11,7 @@
 //! | 0x3f8..=0x3ff | COM1 ([`super::SerialDevice`]), unless `--serial off` |
 //! | 0x3c0, 0xcf9, 0x64 | power off / reset ([`PowerDevice`]) |
 //! | 0xcf8, 0xcfa..=0xcff | PCI configuration mechanism #1 ([`PciConfigIo`]); 0xcf9 between them is the reset control register |
+//! | 0x61 | system control port B ([`SystemControlB`]): the NMI status |
 //!
 //! Anything else is an unknown port, as upstream: a write is ignored, a
 //! read answers all ones (a floating ISA bus), and the access is logged at
@@ -34,6 +35,32 @@ pub const UNKNOWN_LOG_EVERY: u64 = 1024;
 
 /// A registered handler.
 pub type PortHandler = Arc<Mutex<dyn PortIo>>;
+
+/// System control port B (the PC's "NMI status and control" port).
+pub const SYSTEM_CONTROL_B_PORT: u16 = 0x61;
+/// What [`SystemControlB`] reads: bit 5 (the PIT's channel 2 output) set,
+/// bits 6 and 7 (I/O channel check, PCI SERR) clear; upstream Cloud
+/// Hypervisor's value.
+pub const SYSTEM_CONTROL_B_VALUE: u8 = 0x20;
+
+/// Port 0x61. Linux reads it to find the source of an NMI (`vm.nmi`): with
+/// the all-ones answer of an unknown port it would take every NMI for a
+/// PCI system error (bit 7) and an I/O channel check (bit 6); with
+/// [`SYSTEM_CONTROL_B_VALUE`] it reports an NMI of unknown reason and goes
+/// on. Writes (speaker gate, NMI mask bits) are ignored.
+#[derive(Debug, Default)]
+pub struct SystemControlB;
+
+impl PortIo for SystemControlB {
+    fn io_out(&mut self, _port: u16, _data: &[u8]) {}
+
+    fn io_in(&mut self, _port: u16, data: &mut [u8]) {
+        data.fill(0);
+        if let Some(b) = data.first_mut() {
+            *b = SYSTEM_CONTROL_B_VALUE;
+        }
+    }
+}
 
 /// Errors of registering port ranges.
 #[allow(missing_docs)] // the messages document the variants
@@ -144,6 +171,16 @@ impl PortBusBuilder {
             self.add("power", port, 1, power.clone())?;
         }
         Ok(self)
+    }
+
+    /// System control port B at 0x61 ([`SystemControlB`]).
+    pub fn add_system_control_b(&mut self) -> Result<&mut Self, PortsError> {
+        self.add(
+            "system-control-b",
+            SYSTEM_CONTROL_B_PORT,
+            1,
+            Arc::new(Mutex::new(SystemControlB)),
+        )
     }
 
     /// PCI configuration mechanism #1: 0xcf8 (CONFIG_ADDRESS, dword
@@ -411,5 +448,23 @@ mod tests {
         assert_eq!(d, [0xff]);
         bus.io_out(COM1_BASE, b"x");
         assert_eq!(bus.unknown_accesses(), 2);
+    }
+
+    #[test]
+    fn system_control_b_reports_no_nmi_source() {
+        let mut b = PortBusBuilder::new();
+        b.add_system_control_b().unwrap();
+        let mut bus = b.build();
+        bus.io_out(SYSTEM_CONTROL_B_PORT, &[0x0c]);
+        let mut d = [0xaa];
+        bus.io_in(SYSTEM_CONTROL_B_PORT, &mut d);
+        assert_eq!(d, [0x20]);
+        assert_eq!(d[0] & 0xc0, 0, "no SERR, no IOCHK");
+        let mut d = [0xaa; 2];
+        bus.io_in(SYSTEM_CONTROL_B_PORT, &mut d);
+        assert_eq!(d, [0x20, 0]);
+        assert_eq!(bus.unknown_accesses(), 0);
+        assert_eq!(bus.handler_name(0x60), None);
+        assert_eq!(bus.handler_name(0x62), None);
     }
 }
