@@ -39,7 +39,8 @@ fn json<T: DeserializeOwned>(action: &str, body: &[u8]) -> Result<T, ApiError> {
             format!("{action}: the request needs a JSON body"),
         ));
     }
-    serde_json::from_slice(body)
+    // Unknown fields are ignored (and logged), as upstream does.
+    crate::config::from_json(body)
         .map_err(|e| ApiError::with_source(400, format!("{action}: invalid request body"), &e))
 }
 
