@@ -57,7 +57,11 @@ pub fn from_json_ignoring<T: DeserializeOwned>(
 ) -> Result<(T, Vec<String>), serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let mut ignored = Vec::new();
-    let value = serde_ignored::deserialize(&mut de, |path| ignored.push(path.to_string()))?;
+    let value = serde_ignored::deserialize(&mut de, |path| {
+        // `?` marks a step through an `Option`: not part of the JSON path.
+        let p = path.to_string().replace(".?", "");
+        ignored.push(p.strip_prefix("?.").unwrap_or(&p).to_owned());
+    })?;
     de.end()?;
     Ok((value, ignored))
 }
@@ -104,3 +108,6 @@ impl OptionError {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod compat_tests;
