@@ -1034,3 +1034,424 @@ fn errors_echoing_control_characters_stay_one_line() {
     let e = CpusConfig::parse("boot=x\r1").unwrap_err();
     assert!(!e.to_string().contains('\r'), "{e}");
 }
+
+// --- every upstream option ---
+
+/// Upstream v54's options (default build), as its `--help` lists them.
+const UPSTREAM_OPTIONS: &[&str] = &[
+    "api-socket",
+    "balloon",
+    "cmdline",
+    "console",
+    "cpus",
+    "debug-console",
+    "device",
+    "disk",
+    "event-monitor",
+    "firmware",
+    "fs",
+    "generic-vhost-user",
+    "initramfs",
+    "kernel",
+    "landlock",
+    "landlock-rules",
+    "log-file",
+    "log-format",
+    "memory",
+    "memory-zone",
+    "net",
+    "no-shutdown",
+    "numa",
+    "pci-segment",
+    "platform",
+    "pmem",
+    "pvpanic",
+    "rate-limit-group",
+    "restore",
+    "rng",
+    "rtc",
+    "seccomp",
+    "serial",
+    "tpm",
+    "user-device",
+    "v",
+    "vdpa",
+    "version",
+    "vsock",
+    "watchdog",
+    "help",
+];
+
+#[test]
+fn every_upstream_option_is_known_and_in_the_help() {
+    assert_eq!(UPSTREAM_OPTIONS.len(), 41);
+    let ours: Vec<&str> = cli::option_names().collect();
+    assert_eq!(ours, UPSTREAM_OPTIONS);
+    let help = cli::help();
+    for o in UPSTREAM_OPTIONS {
+        let flag = match *o {
+            "v" => "-v".to_owned(),
+            o => format!("--{o}"),
+        };
+        assert!(
+            help.lines()
+                .filter(|l| l.trim_start().starts_with('-'))
+                .any(|l| l
+                    .split_whitespace()
+                    .any(|w| w.trim_end_matches(',') == flag)),
+            "{flag} not in --help"
+        );
+    }
+    for s in [
+        PmemConfig::SYNTAX,
+        CpusConfig::SYNTAX,
+        MemoryConfig::SYNTAX,
+        PlatformConfig::SYNTAX,
+        options::RestoreConfig::SYNTAX,
+    ] {
+        assert!(help.contains(s), "{s}");
+    }
+}
+
+/// The VM config of a command line with a real kernel, validated: the
+/// error line, or `Ok`.
+fn validated(args: &str) -> Result<VmConfig, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let k = touch(dir.path(), "k", 4096);
+    let mut all = vec!["--kernel".to_owned(), k.display().to_string()];
+    all.extend(args.split_whitespace().map(str::to_owned));
+    let mut v = CommandLine::parse(all)
+        .map_err(|e| e.to_string())?
+        .vm
+        .unwrap();
+    v.validate().map_err(|e| e.to_string())?;
+    Ok(v)
+}
+
+#[test]
+fn device_options_parse_with_upstream_keys_then_validation_names_them() {
+    for (args, msg) in [
+        ("--disk path=/x,readonly=on", "`disks` (--disk)"),
+        ("--disk path=/a path=/b", "`disks` (--disk)"),
+        ("--net tap=tap0,mac=12:34:56:78:9a:bc", "`net` (--net)"),
+        ("--balloon size=1G", "`balloon` (--balloon)"),
+        ("--fs tag=t,socket=/s", "`fs` (--fs)"),
+        (
+            "--device path=/sys/bus/pci/devices/0000:01:00.0",
+            "`devices` (--device)",
+        ),
+        ("--user-device socket=/s", "`user_devices` (--user-device)"),
+        ("--vdpa path=/dev/vhost-vdpa-0", "`vdpa` (--vdpa)"),
+        ("--vsock cid=3,socket=/s", "`vsock` (--vsock)"),
+        ("--numa guest_numa_id=0", "`numa` (--numa)"),
+        (
+            "--memory-zone id=z,size=1G",
+            "`memory.zones` (--memory-zone)",
+        ),
+        (
+            "--rate-limit-group bw_size=1,id=g",
+            "`rate_limit_groups` (--rate-limit-group)",
+        ),
+        ("--tpm socket=/s", "`tpm` (--tpm)"),
+        ("--rtc", "`rtc` (--rtc)"),
+        ("--rtc id=r", "`rtc` (--rtc)"),
+        (
+            "--generic-vhost-user socket=/s,device_type=1,queue_sizes=[1]",
+            "`generic_vhost_user` (--generic-vhost-user)",
+        ),
+        (
+            "--landlock-rules path=/,access=r",
+            "`landlock_rules` (--landlock-rules)",
+        ),
+    ] {
+        let e = validated(args).unwrap_err();
+        assert!(e.starts_with(msg), "{args}: {e}");
+        assert!(e.contains("this VMM has no"), "{args}: {e}");
+    }
+    for (args, field) in [
+        ("--pvpanic", "pvpanic"),
+        ("--watchdog", "watchdog"),
+        ("--firmware /fw", "payload.firmware"),
+        ("--debug-console tty", "debug_console.mode"),
+        ("--debug-console file=/x,iobase=0x402", "debug_console.mode"),
+        ("--platform num_pci_segments=2", "platform.num_pci_segments"),
+        (
+            "--platform serial_number=abc",
+            "platform.system_serial_number",
+        ),
+        ("--platform uuid=1234", "platform.system_uuid"),
+        ("--platform oem_strings=[a,b]", "platform.oem_strings"),
+        ("--platform iommufd_fd=3", "platform.iommufd"),
+        ("--pci-segment pci_segment=1", "pci_segments[0].pci_segment"),
+        ("--cpus boot=2,topology=2:1:1:1", "cpus.topology"),
+        ("--cpus boot=2,kvm_hyperv=on", "cpus.kvm_hyperv"),
+        ("--cpus boot=2,max_phys_bits=40", "cpus.max_phys_bits"),
+        ("--cpus boot=2,affinity=[0@[0-1],1@[2]]", "cpus.affinity"),
+        ("--cpus features=amx", "cpus.features.amx"),
+        ("--cpus nested=off", "cpus.nested"),
+        ("--cpus core_scheduling=vcpu", "cpus.core_scheduling"),
+        ("--memory size=1G,shared=on", "memory.shared"),
+        ("--memory size=1G,hugepages=on", "memory.hugepages"),
+        ("--memory size=1G,hotplug_size=1G", "memory.hotplug_size"),
+        ("--memory size=1G,prefault=on", "memory.prefault"),
+        ("--memory size=1G,reserve=on", "memory.reserve"),
+        ("--memory size=1G,mergeable=on", "memory.mergeable"),
+    ] {
+        let e = validated(args).unwrap_err();
+        assert!(e.starts_with(&format!("`{field}` = ")), "{args}: {e}");
+    }
+    assert!(validated("--landlock")
+        .unwrap_err()
+        .contains("Landlock confinement is not implemented"));
+    // What this VMM does anyway is accepted.
+    for args in [
+        "--cpus boot=2,max=4",
+        "--cpus boot=2,topology=1:2:1:1,nested=on,core_scheduling=off,profile=Host",
+        "--cpus boot=1,affinity=[],features=[],kvm_hyperv=off,max_phys_bits=46",
+        "--memory size=1G,thp=off,hotplug_method=virtio-mem,file=/ignored",
+        "--debug-console off,iobase=0x402",
+        "--platform num_pci_segments=1,iommu_address_width=48,vfio_p2p_dma=off,iommufd=off",
+        "--pci-segment pci_segment=0,mmio32_aperture_weight=2",
+        "--rng src=/dev/urandom",
+    ] {
+        validated(args).unwrap_or_else(|e| panic!("{args}: {e}"));
+    }
+    let v = validated("--cpus boot=2,max=4").unwrap();
+    assert_eq!((v.cpus.boot_vcpus, v.cpus.max_vcpus), (2, 4));
+}
+
+#[test]
+fn device_options_refuse_unknown_keys_like_upstream() {
+    for (args, needle) in [
+        (
+            "--disk path=/x,bogus=1",
+            "--disk \"path=/x,bogus=1\": unknown key `bogus`",
+        ),
+        ("--net tap=t,speed=1", "unknown key `speed`"),
+        ("--vsock cid=3,socket=/s,x", "unknown key `x`"),
+        ("--rtc frequency=1", "unknown key `frequency`"),
+        ("--tpm", "--tpm needs a value"),
+        ("--disk", "--disk needs a value"),
+        (
+            "--platform num_pci_segments=x",
+            "invalid value `x` for `num_pci_segments`",
+        ),
+        ("--platform iommu_segments=[0-99999]", "iommu_segments"),
+        (
+            "--pci-segment mmio32_aperture_weight=0",
+            "invalid value `0`",
+        ),
+        (
+            "--debug-console iobase=0x402",
+            "`off|pty|tty|null|file` is required",
+        ),
+        (
+            "--debug-console off,iobase=402",
+            "invalid value `402` for `iobase`",
+        ),
+        (
+            "--debug-console off,iobase=0x10000",
+            "invalid value `0x10000`",
+        ),
+        ("--debug-console off,tty", "exclude each other"),
+        (
+            "--cpus topology=1:2:1",
+            "invalid value `1:2:1` for `topology`",
+        ),
+        ("--cpus topology=1:2:1:99999", "for `topology`"),
+        ("--cpus affinity=0@[1]", "for `affinity`"),
+        (
+            "--cpus affinity=[0@[0-4294967295]]",
+            "more than 4096 integers",
+        ),
+        (
+            "--cpus affinity=[x@[1]]",
+            "invalid value `x` for `affinity`",
+        ),
+        ("--cpus features=avx", "invalid value `avx` for `features`"),
+        ("--cpus nested=maybe", "invalid value `maybe` for `nested`"),
+        ("--cpus core_scheduling=thread", "for `core_scheduling`"),
+        ("--cpus profile=host", "invalid value `host` for `profile`"),
+        ("--memory hotplug_method=dimm", "for `hotplug_method`"),
+        (
+            "--memory size=1G,hotplug_size=99999999999G",
+            "for `hotplug_size`",
+        ),
+        ("--pmem file=/x,pci_device_id=32", "for `pci_device_id`"),
+        ("--pmem file=/x,pci_device_id=-1", "for `pci_device_id`"),
+        ("--rng source=/dev/random", "unknown key `source`"),
+        ("--pvpanic=on", "--pvpanic takes no value"),
+        ("--landlock=1", "--landlock takes no value"),
+        (
+            "--balloon size=1G --balloon size=2G",
+            "--balloon given twice",
+        ),
+    ] {
+        let e = err(args);
+        assert!(e.contains(needle), "{args}: {e}");
+    }
+    // A VM option without a payload: upstream's clap refuses it (exit 2).
+    let e = cl("--disk path=/x").unwrap_err();
+    assert_eq!(e.to_string(), "--disk needs --kernel (or --firmware)");
+    assert_eq!(e.exit_code(), 2);
+    // --firmware is a payload: the VM exists, validation refuses firmware.
+    let v = cl("--firmware /fw --memory size=1G").unwrap().vm.unwrap();
+    assert_eq!(v.payload.unwrap().firmware, Some(PathBuf::from("/fw")));
+}
+
+#[test]
+fn vmm_options_event_monitor_log_seccomp_restore() {
+    use options::{EventMonitor, MemoryRestoreMode, Seccomp};
+    let c = cl("--api-socket /s --event-monitor path=/tmp/ev --log-file /tmp/log --seccomp log")
+        .unwrap();
+    assert_eq!(c.event_monitor, Some(EventMonitor::Path("/tmp/ev".into())));
+    assert_eq!(c.log_file, Some(PathBuf::from("/tmp/log")));
+    assert_eq!(c.seccomp, Seccomp::Log);
+    assert_eq!(c.vm, None);
+    c.check_supported().unwrap();
+    assert_eq!(
+        cl("--event-monitor fd=3").unwrap().event_monitor,
+        Some(EventMonitor::Fd(3))
+    );
+    assert_eq!(cl("--api-socket /s").unwrap().seccomp, Seccomp::True);
+    for (v, s) in [
+        ("true", Seccomp::True),
+        ("false", Seccomp::False),
+        ("log", Seccomp::Log),
+        ("errno", Seccomp::Errno),
+    ] {
+        assert_eq!(cl(&format!("--seccomp {v}")).unwrap().seccomp, s);
+    }
+    for (args, needle, code) in [
+        ("--event-monitor /tmp/ev", "unknown key `/tmp/ev`", 1),
+        ("--event-monitor fd=-1", "invalid value `-1` for `fd`", 1),
+        ("--event-monitor fd=99999999999", "for `fd`", 1),
+        ("--event-monitor path=", "`path` needs a value", 1),
+        ("--event-monitor fd=x,path=/p", "for `fd`", 1),
+        ("--event-monitor", "--event-monitor needs a value", 2),
+        ("--seccomp yes", "--seccomp \"yes\": invalid value", 2),
+        ("--seccomp TRUE", "invalid value", 2),
+        ("--seccomp", "--seccomp needs a value", 2),
+        ("--log-file", "--log-file needs a value", 2),
+        (
+            "--log-format {bogus}",
+            "invalid value `{bogus}` for `token`",
+            1,
+        ),
+        ("--log-format {msg", "unbalanced", 1),
+        ("--log-format }", "unbalanced", 1),
+        ("--restore prefault=on", "`source_url` is required", 1),
+        (
+            "--restore source_url=file:///d,bogus=1",
+            "unknown key `bogus`",
+            1,
+        ),
+        (
+            "--restore source_url=file:///d,memory_restore_mode=lazy",
+            "for `memory_restore_mode`",
+            1,
+        ),
+        (
+            "--restore source_url=file:///d,resume=maybe",
+            "for `resume`",
+            1,
+        ),
+        (
+            "--restore source_url=file:///d,net_fds=[n@[x]]",
+            "for `net_fds`",
+            1,
+        ),
+        ("--no-shutdown=1", "--no-shutdown takes no value", 2),
+        (
+            "--no-shutdown --no-shutdown",
+            "--no-shutdown given twice",
+            2,
+        ),
+    ] {
+        let e = cl(args).unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains(needle), "{args}: {m}");
+        assert!(!m.contains('\n'), "{m}");
+        assert_eq!(e.exit_code(), code, "{args}: {m}");
+    }
+    // Good values that are not implemented are refused after parsing.
+    let c = cl(
+        "--restore source_url=file:///snap,prefault=on,memory_restore_mode=ondemand,resume=on,\
+         net_fds=[net0@[3,4]],vfio_fds=[v0@5],zone_updates=[z@1]",
+    )
+    .unwrap();
+    let r = c.restore.clone().unwrap();
+    assert_eq!(r.source_url, PathBuf::from("file:///snap"));
+    assert!(r.prefault && r.resume);
+    assert_eq!(r.memory_restore_mode, MemoryRestoreMode::OnDemand);
+    assert_eq!(r.net_fds, Some(vec![("net0".to_owned(), vec![3, 4])]));
+    assert_eq!(r.vfio_fds, Some(vec![("v0".to_owned(), 5)]));
+    assert_eq!(r.zone_updates, [("z".to_owned(), 1)]);
+    let e = c.check_supported().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "--restore: restoring a snapshot is not implemented in this VMM yet"
+    );
+    assert_eq!(e.exit_code(), 1);
+    let e = cl("--api-socket /s --no-shutdown")
+        .unwrap()
+        .check_supported();
+    assert!(e
+        .unwrap_err()
+        .to_string()
+        .starts_with("--no-shutdown: not implemented"));
+    let c = cl(&format!(
+        "--api-socket /s --log-format {}",
+        options::DEFAULT_LOG_FORMAT.replace(' ', "_")
+    ))
+    .unwrap();
+    assert!(c
+        .check_supported()
+        .unwrap_err()
+        .to_string()
+        .starts_with("--log-format"));
+    assert!(cl("--log-format {{literal}}_{localyear}_{levelchar}").is_ok());
+}
+
+#[test]
+fn exit_codes_follow_upstream() {
+    for (args, code) in [
+        ("--frobnicate", 2),
+        ("stray", 2),
+        ("--kernel", 2),
+        ("--kernel /k --kernel /k", 2),
+        ("--memory size=1G", 2),
+        ("--pvpanic=1", 2),
+        ("--seccomp bogus", 2),
+        ("--kernel /k --cpus boot=x", 1),
+        ("--kernel /k --disk path=/x,bogus=1", 1),
+        ("--api-socket fd=x", 1),
+    ] {
+        assert_eq!(cl(args).unwrap_err().exit_code(), code, "{args}");
+    }
+}
+
+#[test]
+fn cli_hostile_values_stay_one_line_without_panic() {
+    let long = "x".repeat(100_000);
+    for opt in UPSTREAM_OPTIONS {
+        for v in [
+            "",
+            "\u{0}",
+            "a\nb=\r1",
+            "[[[",
+            "]",
+            "\"",
+            "=,=,=",
+            "k=v,k=v",
+            "99999999999999999999999",
+            long.as_str(),
+        ] {
+            let args = ["--kernel", "/k", &format!("--{opt}"), v];
+            if let Err(e) = CommandLine::parse(args) {
+                let m = e.to_string();
+                assert!(!m.contains('\n') && !m.contains('\r'), "--{opt} {v:?}: {m}");
+            }
+        }
+    }
+}
