@@ -261,6 +261,14 @@ fn lifecycle_states_and_refusals() {
     assert_eq!(info["memory_actual_size"], json!(64 * MIB));
     assert_eq!(info["config"]["pmem"][0]["id"], "p0");
     assert!(info["config"].get("frobs").is_none(), "{info}");
+    // upstream's key order (serde_json keeps it: `preserve_order`)
+    let keys: Vec<&str> = info["config"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(&keys[..4], ["cpus", "memory", "payload", "rng"], "{info}");
     assert_eq!(info["config"]["cpus"]["core_scheduling"], "Vm");
     // Devices before the boot.
     expect(
