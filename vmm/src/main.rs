@@ -3,9 +3,11 @@
 //! line.
 //!
 //! Exit codes: 0 when the guest powers off (or the VMM is stopped with
-//! SIGTERM/SIGINT after its final barrier), 1 on any error: a bad command
-//! line or config (one line, before any guest starts), a failed vCPU, a
-//! failed final barrier.
+//! SIGTERM/SIGINT after its final barrier); 2 for a command line upstream's
+//! argument parser refuses (unknown option, missing value, option twice, a
+//! VM option without `--kernel`); 1 on any other error: a bad option value
+//! or config (one line, before any guest starts), an option not
+//! implemented, a failed vCPU, a failed final barrier.
 
 use std::io::IsTerminal;
 use std::os::fd::AsRawFd;
@@ -76,12 +78,25 @@ impl Drop for RawTerminal {
     }
 }
 
+/// A command-line error, with the exit code upstream gives for it.
+#[derive(Debug)]
+struct CliExit(cli::CliError);
+
+impl std::fmt::Display for CliExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for CliExit {}
+
 fn run() -> Result<()> {
     let cl = CommandLine::parse(
         std::env::args_os()
             .skip(1)
             .map(|a| a.to_string_lossy().into_owned()),
-    )?;
+    )
+    .map_err(CliExit)?;
     match cl.action {
         Action::Help => {
             print!("{}", cli::help());
@@ -93,6 +108,7 @@ fn run() -> Result<()> {
         }
         Action::Run => {}
     }
+    cl.check_supported().map_err(CliExit)?;
     env_logger::Builder::new()
         .filter_level(cli::log_level(cl.verbosity))
         .format_timestamp_millis()
@@ -182,7 +198,10 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("cloud-hypervisor: {e:#}");
-            ExitCode::FAILURE
+            match e.downcast_ref::<CliExit>() {
+                Some(CliExit(c)) => ExitCode::from(c.exit_code()),
+                None => ExitCode::FAILURE,
+            }
         }
     }
 }

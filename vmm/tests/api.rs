@@ -255,13 +255,14 @@ fn lifecycle_states_and_refusals() {
         400,
         "invalid",
     );
+    // Unknown fields are ignored, as upstream does: what is left is checked.
     refused(
         sock,
         "PUT",
         "vm.create",
         Some(json!({"frobs": 1})),
         400,
-        "frobs",
+        "no kernel given",
     );
     let mut c = v.config(json!([{"file": img, "id": "p0"}]));
     c["memory"]["shared"] = json!(true);
@@ -269,19 +270,26 @@ fn lifecycle_states_and_refusals() {
     let c = v.config(json!([{"file": v.s("missing.pcow"), "id": "p0"}]));
     refused(sock, "PUT", "vm.create", Some(c), 400, "missing.pcow");
 
-    expect(
-        sock,
-        "PUT",
-        "vm.create",
-        Some(v.config(json!([{"file": img, "id": "p0"}]))),
-        204,
-    );
+    let mut c = v.config(json!([{"file": img, "id": "p0"}]));
+    c["frobs"] = json!(1);
+    c["cpus"]["nested"] = json!(true);
+    expect(sock, "PUT", "vm.create", Some(c), 204);
     let c = v.config(json!([]));
     refused(sock, "PUT", "vm.create", Some(c), 500, "already created");
     let info = expect(sock, "GET", "vm.info", None, 200);
     assert_eq!(info["state"], "Created");
     assert_eq!(info["memory_actual_size"], json!(64 * MIB));
     assert_eq!(info["config"]["pmem"][0]["id"], "p0");
+    assert!(info["config"].get("frobs").is_none(), "{info}");
+    // upstream's key order (serde_json keeps it: `preserve_order`)
+    let keys: Vec<&str> = info["config"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(&keys[..4], ["cpus", "memory", "payload", "rng"], "{info}");
+    assert_eq!(info["config"]["cpus"]["core_scheduling"], "Vm");
     // Devices before the boot.
     expect(
         sock,

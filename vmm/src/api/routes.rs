@@ -94,7 +94,7 @@ fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if is_empty(body) {
         return Err(bad_request());
     }
-    serde_json::from_slice(body).map_err(|e| ApiError {
+    crate::config::from_json(body).map_err(|e| ApiError {
         status: 400,
         chain: vec!["Failed to deserialize JSON".into(), e.to_string()],
     })

@@ -1,12 +1,31 @@
 //! The `cloud-hypervisor` command line: upstream's option names and value
 //! syntax, parsed by hand so that every error is one line.
 //!
-//! Accepted forms: `--opt VALUE` and `--opt=VALUE`; `--pmem` may be given
-//! several times and, as upstream (clap `num_args(1..)`), takes several
-//! values in a row (`--pmem file=a file=b`); `-v` counts (`-v -v`, `-vv`).
-//! Every other option may be given once.
+//! Every option upstream's `cloud-hypervisor` (v54, default build) has is
+//! known here, with upstream's value syntax. Accepted forms: `--opt VALUE`
+//! and `--opt=VALUE`; the device-list options (`--pmem`, `--disk`, ...)
+//! may be given several times and, as upstream (clap `num_args(1..)`),
+//! take several values in a row (`--pmem file=a file=b`); `--rtc` takes an
+//! optional value; `-v` counts (`-v -v`, `-vv`). Every other option may be
+//! given once.
+//!
+//! Options of devices and features this VMM does not have are parsed into
+//! the [`VmConfig`] and refused by its validation, naming the field and the
+//! option. Exit codes follow upstream: 2 for what clap refuses there (an
+//! unknown option, a missing or unexpected value, an option given twice,
+//! a VM option without `--kernel`/`--firmware`, a bad `--seccomp` value),
+//! 1 for a bad `key=value` inside an option's value and for options that
+//! are not implemented ([`CommandLine::check_supported`]).
 
-use super::vm_config::{ConsoleConfig, CpusConfig, MemoryConfig, PmemConfig, VmConfig};
+use std::path::PathBuf;
+
+use super::options::{
+    check_log_format, DeviceOption, EventMonitor, RestoreConfig, Seccomp, DEVICE_OPTIONS,
+};
+use super::vm_config::{
+    ConsoleConfig, CpusConfig, DebugConsoleConfig, MemoryConfig, PciSegmentConfig, PlatformConfig,
+    PmemConfig, VmConfig,
+};
 use super::{OptionError, OptionParser, ParseError};
 
 /// Where the API socket is: `--api-socket path=PATH`, `fd=FD`, or a bare
@@ -73,13 +92,25 @@ pub enum Action {
 pub struct CommandLine {
     /// What to do.
     pub action: Action,
-    /// The VM to create and boot at start (present when `--kernel` is
-    /// given); not yet validated ([`VmConfig::validate`]).
+    /// The VM to create and boot at start (present when `--kernel` or
+    /// `--firmware` is given); not yet validated ([`VmConfig::validate`]).
     pub vm: Option<VmConfig>,
     /// The API socket.
     pub api_socket: Option<ApiSocket>,
     /// How many `-v`.
     pub verbosity: u8,
+    /// `--event-monitor`: where to write events.
+    pub event_monitor: Option<EventMonitor>,
+    /// `--log-file`: where logs go (standard error when absent).
+    pub log_file: Option<PathBuf>,
+    /// `--log-format`, checked against upstream's tokens.
+    pub log_format: Option<String>,
+    /// `--seccomp` (upstream's default: `true`).
+    pub seccomp: Seccomp,
+    /// `--no-shutdown`.
+    pub no_shutdown: bool,
+    /// `--restore`.
+    pub restore: Option<RestoreConfig>,
 }
 
 /// A bad command line.
@@ -96,89 +127,321 @@ pub enum CliError {
     Duplicate(&'static str),
     #[error("--{0} takes no value")]
     UnexpectedValue(&'static str),
-    #[error("--{0} needs --kernel")]
+    #[error("--{0} needs --kernel (or --firmware)")]
     NeedsKernel(&'static str),
+    #[error(
+        "--seccomp {:?}: invalid value (accepted: {})",
+        super::option_parser::esc(.0),
+        Seccomp::SYNTAX
+    )]
+    Seccomp(String),
+    #[error("--{option}: {why}")]
+    NotImplemented {
+        option: &'static str,
+        why: &'static str,
+    },
 }
 
-/// One option: name, value syntax (empty: a flag), help line.
+impl CliError {
+    /// The exit code upstream gives for this kind of error: 2 where its
+    /// argument parser (clap) refuses the command line, 1 for a bad option
+    /// value found later and for what is not implemented.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Option(_) | CliError::NotImplemented { .. } => 1,
+            _ => 2,
+        }
+    }
+}
+
+/// How an option takes its value.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `--opt VALUE`.
+    Value,
+    /// `--opt VALUE [VALUE...]`, repeatable.
+    Many,
+    /// `--opt [VALUE]`.
+    Optional,
+    /// `--opt`.
+    Flag,
+}
+
+/// Upstream's argument groups: VM options need a payload option.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Group {
+    Vm,
+    Payload,
+    Other,
+}
+
+/// One option: name, value syntax, help line, how it takes its value, its
+/// group.
 struct Opt {
     name: &'static str,
     syntax: &'static str,
     help: &'static str,
+    kind: Kind,
+    group: Group,
 }
 
+const fn opt(
+    name: &'static str,
+    syntax: &'static str,
+    help: &'static str,
+    kind: Kind,
+    group: Group,
+) -> Opt {
+    Opt {
+        name,
+        syntax,
+        help,
+        kind,
+        group,
+    }
+}
+
+/// Options of devices this VMM does not have, refused by validation.
+const NO_DEVICE: &str = "not supported by this VMM: refused";
+
+/// Every option, in upstream's (alphabetical) `--help` order. The syntax
+/// of device options not listed here is in [`DEVICE_OPTIONS`].
 const OPTIONS: &[Opt] = &[
-    Opt {
-        name: "kernel",
-        syntax: "<path>",
-        help: "Kernel to boot: a bzImage or an ELF vmlinux with a PVH note",
-    },
-    Opt {
-        name: "initramfs",
-        syntax: "<path>",
-        help: "Initial ramdisk",
-    },
-    Opt {
-        name: "cmdline",
-        syntax: "<cmdline>",
-        help: "Kernel command line",
-    },
-    Opt {
-        name: "cpus",
-        syntax: CpusConfig::SYNTAX,
-        help: "vCPUs (default boot=1)",
-    },
-    Opt {
-        name: "memory",
-        syntax: MemoryConfig::SYNTAX,
-        help: "Guest RAM, sizes in bytes or with K, M, G (default size=512M)",
-    },
-    Opt {
-        name: "pmem",
-        syntax: PmemConfig::SYNTAX,
-        help: "virtio-pmem device on a pcow image or a raw file (repeatable)",
-    },
-    Opt {
-        name: "serial",
-        syntax: ConsoleConfig::SERIAL_SYNTAX,
-        help: "8250 serial port on 0x3f8 (default null)",
-    },
-    Opt {
-        name: "console",
-        syntax: ConsoleConfig::CONSOLE_SYNTAX,
-        help: "virtio console (default tty; none is created yet)",
-    },
-    Opt {
-        name: "api-socket",
-        syntax: ApiSocket::SYNTAX,
-        help: "HTTP API socket (UNIX domain socket)",
-    },
-    Opt {
-        name: "v",
-        syntax: "",
-        help: "More logging, repeatable: warn, -v info, -vv debug, -vvv trace",
-    },
-    Opt {
-        name: "version",
-        syntax: "",
-        help: "Print the version and exit",
-    },
-    Opt {
-        name: "help",
-        syntax: "",
-        help: "Print this help and exit",
-    },
+    opt(
+        "api-socket",
+        ApiSocket::SYNTAX,
+        "HTTP API socket (UNIX domain socket)",
+        Kind::Value,
+        Group::Other,
+    ),
+    opt("balloon", "", NO_DEVICE, Kind::Value, Group::Vm),
+    opt(
+        "cmdline",
+        "<cmdline>",
+        "Kernel command line",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt(
+        "console",
+        ConsoleConfig::CONSOLE_SYNTAX,
+        "virtio console (default tty; none is created yet)",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt(
+        "cpus",
+        CpusConfig::SYNTAX,
+        "vCPUs (default boot=1); max above boot is kept in the config, the guest gets boot \
+         (no vCPU hot-plug); topology, affinity, kvm_hyperv, amx, nested=off and \
+         core_scheduling=vcpu are refused",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt(
+        "debug-console",
+        DebugConsoleConfig::SYNTAX,
+        "Debug port (default off,iobase=0xe9): only off (there is no debug port)",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt("device", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt("disk", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt(
+        "event-monitor",
+        EventMonitor::SYNTAX,
+        "Where to report events: path=<path> or fd=<fd>",
+        Kind::Value,
+        Group::Other,
+    ),
+    opt(
+        "firmware",
+        "<path>",
+        "Firmware to boot: not supported (refused; use --kernel)",
+        Kind::Value,
+        Group::Payload,
+    ),
+    opt("fs", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt("generic-vhost-user", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt(
+        "initramfs",
+        "<path>",
+        "Initial ramdisk",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt(
+        "kernel",
+        "<path>",
+        "Kernel to boot: a bzImage or an ELF vmlinux with a PVH note",
+        Kind::Value,
+        Group::Payload,
+    ),
+    opt(
+        "landlock",
+        "",
+        "Landlock confinement: not implemented (refused rather than run unconfined)",
+        Kind::Flag,
+        Group::Vm,
+    ),
+    opt(
+        "landlock-rules",
+        "",
+        "Landlock rules: not implemented (refused)",
+        Kind::Many,
+        Group::Vm,
+    ),
+    opt(
+        "log-file",
+        "<path>",
+        "Log file (standard error when absent)",
+        Kind::Value,
+        Group::Other,
+    ),
+    opt(
+        "log-format",
+        "<format>",
+        "Log format with upstream's {tokens}: checked, then refused (not implemented)",
+        Kind::Value,
+        Group::Other,
+    ),
+    opt(
+        "memory",
+        MemoryConfig::SYNTAX,
+        "Guest RAM, sizes in bytes or with K, M, G (default size=512M); mergeable, shared, \
+         hugepages, hotplug, prefault and reserve=on are refused",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt("memory-zone", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt("net", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt(
+        "no-shutdown",
+        "",
+        "Keep the VMM when the guest shuts down: not implemented (refused)",
+        Kind::Flag,
+        Group::Other,
+    ),
+    opt("numa", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt(
+        "pci-segment",
+        PciSegmentConfig::SYNTAX,
+        "PCI segment: only segment 0 exists",
+        Kind::Many,
+        Group::Vm,
+    ),
+    opt(
+        "platform",
+        PlatformConfig::SYNTAX,
+        "Platform: only num_pci_segments=1, no IOMMU segments, no iommufd, no SMBIOS fields",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt(
+        "pmem",
+        PmemConfig::SYNTAX,
+        "virtio-pmem device on a pcow image or a raw file (repeatable)",
+        Kind::Many,
+        Group::Vm,
+    ),
+    opt(
+        "pvpanic",
+        "",
+        "pvpanic device: not supported (refused)",
+        Kind::Flag,
+        Group::Vm,
+    ),
+    opt("rate-limit-group", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt(
+        "restore",
+        RestoreConfig::SYNTAX,
+        "Restore from a snapshot: parsed, then refused (not implemented yet)",
+        Kind::Value,
+        Group::Other,
+    ),
+    opt(
+        "rng",
+        "src=<entropy_source_path>",
+        "virtio-rng (default src=/dev/urandom)",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt("rtc", "", NO_DEVICE, Kind::Optional, Group::Vm),
+    opt(
+        "seccomp",
+        Seccomp::SYNTAX,
+        "System call filtering (default true)",
+        Kind::Value,
+        Group::Other,
+    ),
+    opt(
+        "serial",
+        ConsoleConfig::SERIAL_SYNTAX,
+        "8250 serial port on 0x3f8 (default null)",
+        Kind::Value,
+        Group::Vm,
+    ),
+    opt("tpm", "", NO_DEVICE, Kind::Value, Group::Vm),
+    opt("user-device", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt(
+        "v",
+        "",
+        "More logging, repeatable: warn, -v info, -vv debug, -vvv trace",
+        Kind::Flag,
+        Group::Other,
+    ),
+    opt("vdpa", "", NO_DEVICE, Kind::Many, Group::Vm),
+    opt(
+        "version",
+        "",
+        "Print the version and exit",
+        Kind::Flag,
+        Group::Other,
+    ),
+    opt("vsock", "", NO_DEVICE, Kind::Value, Group::Vm),
+    opt(
+        "watchdog",
+        "",
+        "virtio-watchdog: not supported (refused)",
+        Kind::Flag,
+        Group::Vm,
+    ),
+    opt(
+        "help",
+        "",
+        "Print this help and exit",
+        Kind::Flag,
+        Group::Other,
+    ),
 ];
+
+impl Opt {
+    /// The value syntax (device options: upstream's, from
+    /// [`DEVICE_OPTIONS`]).
+    fn syntax(&self) -> &'static str {
+        match DeviceOption::find(self.name) {
+            Some(d) if self.syntax.is_empty() => d.syntax,
+            _ => self.syntax,
+        }
+    }
+}
+
+/// The option names, without `--` (`v` is `-v`), in `--help` order.
+pub fn option_names() -> impl Iterator<Item = &'static str> {
+    OPTIONS.iter().map(|o| o.name)
+}
 
 /// The `--help` text, built from the same `SYNTAX` strings as the errors.
 pub fn help() -> String {
     let mut s = String::from("Usage: cloud-hypervisor [OPTIONS]\n\nOptions:\n");
     for o in OPTIONS {
-        let flag = match o.name {
-            "v" => "-v".to_owned(),
-            "version" => "-V, --version".to_owned(),
-            "help" => "-h, --help".to_owned(),
-            n => format!("--{n} {}", o.syntax),
+        let flag = match (o.name, o.kind) {
+            ("v", _) => "-v".to_owned(),
+            ("version", _) => "-V, --version".to_owned(),
+            ("help", _) => "-h, --help".to_owned(),
+            (n, Kind::Flag) => format!("--{n}"),
+            (n, Kind::Optional) => format!("--{n} [{}]", o.syntax()),
+            (n, _) => format!("--{n} {}", o.syntax()),
         };
         s.push_str(&format!("  {flag}\n          {}\n", o.help));
     }
@@ -195,8 +458,13 @@ pub fn log_level(verbosity: u8) -> log::LevelFilter {
     }
 }
 
-fn opt(name: &str) -> Option<&'static Opt> {
+fn find(name: &str) -> Option<&'static Opt> {
     OPTIONS.iter().find(|o| o.name == name)
+}
+
+/// Whether `v` can be an option's value rather than the next option.
+fn is_value(v: &str) -> bool {
+    !v.starts_with('-')
 }
 
 impl CommandLine {
@@ -207,7 +475,7 @@ impl CommandLine {
         S: AsRef<str>,
     {
         let args: Vec<String> = args.into_iter().map(|a| a.as_ref().to_owned()).collect();
-        let mut values: Vec<(&'static str, String)> = Vec::new();
+        let mut values: Vec<(&'static Opt, String)> = Vec::new();
         let mut verbosity = 0u8;
         let mut action = Action::Run;
         let mut i = 0;
@@ -238,31 +506,38 @@ impl CommandLine {
                 Some((n, v)) => (n, Some(v.to_owned())),
                 None => (long, None),
             };
-            let o = opt(name)
-                .filter(|o| !o.syntax.is_empty())
-                .ok_or_else(|| match opt(name) {
+            let o = find(name)
+                .filter(|o| !matches!(o.name, "v" | "version" | "help"))
+                .ok_or_else(|| match find(name) {
                     Some(o) if inline.is_some() => CliError::UnexpectedValue(o.name),
                     _ => CliError::Unknown(arg.clone()),
                 })?;
-            let value = match inline {
-                Some(v) => v,
-                None => match args.get(i) {
-                    Some(v)
-                        if !v.starts_with('-') || (o.name == "cmdline" && !v.starts_with("--")) =>
-                    {
+            let value = match (o.kind, inline) {
+                (Kind::Flag, Some(_)) => return Err(CliError::UnexpectedValue(o.name)),
+                (Kind::Flag, None) => String::new(),
+                (_, Some(v)) => v,
+                (Kind::Optional, None) => match args.get(i).filter(|v| is_value(v)) {
+                    Some(v) => {
                         i += 1;
                         v.clone()
                     }
-                    _ => return Err(CliError::MissingValue(o.name, o.syntax)),
+                    None => String::new(),
+                },
+                (_, None) => match args.get(i) {
+                    Some(v) if is_value(v) || (o.name == "cmdline" && !v.starts_with("--")) => {
+                        i += 1;
+                        v.clone()
+                    }
+                    _ => return Err(CliError::MissingValue(o.name, o.syntax())),
                 },
             };
-            if o.name != "pmem" && values.iter().any(|(n, _)| *n == o.name) {
+            if o.kind != Kind::Many && values.iter().any(|(n, _)| n.name == o.name) {
                 return Err(CliError::Duplicate(o.name));
             }
-            values.push((o.name, value));
-            if o.name == "pmem" {
-                while let Some(v) = args.get(i).filter(|v| !v.starts_with('-')) {
-                    values.push(("pmem", v.clone()));
+            values.push((o, value));
+            if o.kind == Kind::Many {
+                while let Some(v) = args.get(i).filter(|v| is_value(v)) {
+                    values.push((o, v.clone()));
                     i += 1;
                 }
             }
@@ -272,38 +547,144 @@ impl CommandLine {
             vm: None,
             api_socket: None,
             verbosity,
+            event_monitor: None,
+            log_file: None,
+            log_format: None,
+            seccomp: Seccomp::default(),
+            no_shutdown: false,
+            restore: None,
         };
         if action != Action::Run {
             return Ok(cl);
         }
-        let kernel = values.iter().any(|(n, _)| *n == "kernel");
-        let mut vm = VmConfig::default();
-        for (name, v) in &values {
-            match *name {
-                "kernel" => vm.payload_mut().kernel = Some(v.into()),
-                "initramfs" => vm.payload_mut().initramfs = Some(v.into()),
-                "cmdline" => vm.payload_mut().cmdline = Some(v.clone()),
-                "cpus" => vm.cpus = CpusConfig::parse(v)?,
-                "memory" => vm.memory = MemoryConfig::parse(v)?,
-                "pmem" => vm
-                    .pmem
-                    .get_or_insert_with(Vec::new)
-                    .push(PmemConfig::parse(v)?),
-                "serial" => vm.serial = ConsoleConfig::parse_serial(v)?,
-                "console" => vm.console = ConsoleConfig::parse_console(v)?,
-                "api-socket" => {
-                    cl.api_socket = Some(ApiSocket::parse(v)?);
-                    continue;
-                }
-                _ => continue,
-            }
-            if !kernel {
-                return Err(CliError::NeedsKernel(name));
+        let payload = values.iter().any(|(o, _)| o.group == Group::Payload);
+        if let Some((o, _)) = values.iter().find(|(o, _)| o.group == Group::Vm) {
+            if !payload {
+                return Err(CliError::NeedsKernel(o.name));
             }
         }
-        if kernel {
+        let mut vm = VmConfig::default();
+        for (o, v) in &values {
+            cl.apply(&mut vm, o.name, v)?;
+        }
+        if payload {
             cl.vm = Some(vm);
         }
         Ok(cl)
     }
+
+    /// Applies one option to the command line or the VM config.
+    fn apply(&mut self, vm: &mut VmConfig, name: &'static str, v: &str) -> Result<(), CliError> {
+        let push = |list: &mut Option<serde_json::Value>, item: serde_json::Value| match list
+            .get_or_insert_with(|| serde_json::Value::Array(Vec::new()))
+        {
+            serde_json::Value::Array(a) => a.push(item),
+            other => *other = serde_json::Value::Array(vec![item]),
+        };
+        match name {
+            "kernel" => vm.payload_mut().kernel = Some(v.into()),
+            "firmware" => vm.payload_mut().firmware = Some(v.into()),
+            "initramfs" => vm.payload_mut().initramfs = Some(v.into()),
+            "cmdline" => vm.payload_mut().cmdline = Some(v.to_owned()),
+            "cpus" => vm.cpus = CpusConfig::parse(v)?,
+            "memory" => vm.memory = MemoryConfig::parse(v)?,
+            "pmem" => vm
+                .pmem
+                .get_or_insert_with(Vec::new)
+                .push(PmemConfig::parse(v)?),
+            "serial" => vm.serial = ConsoleConfig::parse_serial(v)?,
+            "console" => vm.console = ConsoleConfig::parse_console(v)?,
+            "rng" => vm.rng.src = parse_rng(v)?,
+            "debug-console" => vm.debug_console = DebugConsoleConfig::parse(v)?,
+            "platform" => vm.platform = Some(PlatformConfig::parse(v)?),
+            "pci-segment" => vm
+                .pci_segments
+                .get_or_insert_with(Vec::new)
+                .push(PciSegmentConfig::parse(v)?),
+            "pvpanic" => vm.pvpanic = true,
+            "watchdog" => vm.watchdog = true,
+            "landlock" => vm.landlock_enable = true,
+            "api-socket" => self.api_socket = Some(ApiSocket::parse(v)?),
+            "event-monitor" => self.event_monitor = Some(EventMonitor::parse(v)?),
+            "log-file" => {
+                if v.is_empty() {
+                    return Err(CliError::MissingValue("log-file", "<path>"));
+                }
+                self.log_file = Some(v.into());
+            }
+            "log-format" => {
+                check_log_format(v)?;
+                self.log_format = Some(v.to_owned());
+            }
+            "seccomp" => {
+                self.seccomp = Seccomp::parse(v).ok_or_else(|| CliError::Seccomp(v.to_owned()))?
+            }
+            "no-shutdown" => self.no_shutdown = true,
+            "restore" => self.restore = Some(RestoreConfig::parse(v)?),
+            name => {
+                let Some(d) = DEVICE_OPTIONS.iter().find(|d| d.name == name) else {
+                    return Err(CliError::Unknown(format!("--{name}")));
+                };
+                let item = d.parse(v)?;
+                let field = match name {
+                    "balloon" => &mut vm.balloon,
+                    "device" => &mut vm.devices,
+                    "disk" => &mut vm.disks,
+                    "fs" => &mut vm.fs,
+                    "generic-vhost-user" => &mut vm.generic_vhost_user,
+                    "landlock-rules" => &mut vm.landlock_rules,
+                    "memory-zone" => &mut vm.memory.zones,
+                    "net" => &mut vm.net,
+                    "numa" => &mut vm.numa,
+                    "rate-limit-group" => &mut vm.rate_limit_groups,
+                    "rtc" => &mut vm.rtc,
+                    "tpm" => &mut vm.tpm,
+                    "user-device" => &mut vm.user_devices,
+                    "vdpa" => &mut vm.vdpa,
+                    _ => &mut vm.vsock,
+                };
+                if d.many {
+                    push(field, item);
+                } else {
+                    *field = Some(item);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses options that parse but whose behaviour is not implemented
+    /// yet (exit 1, as upstream's errors after parsing).
+    pub fn check_supported(&self) -> Result<(), CliError> {
+        if self.restore.is_some() {
+            return Err(CliError::NotImplemented {
+                option: "restore",
+                why: "restoring a snapshot is not implemented in this VMM yet",
+            });
+        }
+        if self.no_shutdown {
+            return Err(CliError::NotImplemented {
+                option: "no-shutdown",
+                why: "not implemented yet: the VMM exits when the guest shuts down",
+            });
+        }
+        if self.log_format.is_some() {
+            return Err(CliError::NotImplemented {
+                option: "log-format",
+                why: "custom log formats are not implemented yet (logs use this VMM's format)",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `--rng src=PATH` (upstream's PCI keys are accepted at their defaults
+/// only: validation refuses the rest).
+fn parse_rng(s: &str) -> Result<std::path::PathBuf, OptionError> {
+    const SYNTAX: &str = "src=<entropy_source_path>";
+    let err = |kind| OptionError::new("rng", s, SYNTAX, kind);
+    let mut p = OptionParser::new();
+    p.add("src");
+    p.parse(s).map_err(err)?;
+    Ok(p.require("src").map_err(err)?.into())
 }

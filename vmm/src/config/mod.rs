@@ -7,7 +7,8 @@
 //!    `--help` prints too; a bad value is one [`OptionError`] line naming
 //!    the option, the key and the value.
 //! 2. **API bodies**: the same structs deserialize from upstream's JSON
-//!    (`vm.create`, `vm.add-pmem`) with `deny_unknown_fields`.
+//!    (`vm.create`, `vm.add-pmem`) with [`from_json`]: as upstream, fields
+//!    it does not know are ignored (each is logged as a warning).
 //! 3. **The whole config** ([`VmConfig::validate`]): unsupported fields at
 //!    non-default values, vCPU and RAM sizes, unique device ids (assigning
 //!    `_pmem0`, `_pmem1`, ... as upstream does), the kernel and the pmem
@@ -33,16 +34,49 @@
 
 pub mod cli;
 pub mod option_parser;
+pub mod options;
 mod validate;
 mod vm_config;
+
+use serde::de::DeserializeOwned;
 
 pub use option_parser::{ByteSized, OptionParser, ParseError, Toggle};
 pub use validate::{PmemFormat, ValidatedPmem, ValidationError};
 pub use vm_config::{
-    ConsoleConfig, ConsoleOutputMode, CpuFeatures, CpusConfig, MemoryConfig, PayloadConfig,
-    PmemConfig, RngConfig, VmConfig, DEFAULT_MAX_PHYS_BITS, DEFAULT_MEMORY_SIZE, DEFAULT_VCPUS,
-    MAX_VCPUS,
+    ConsoleConfig, ConsoleOutputMode, CoreScheduling, CpuAffinity, CpuFeatures, CpuProfile,
+    CpuTopology, CpusConfig, DebugConsoleConfig, HotplugMethod, MemoryConfig, PayloadConfig,
+    PciSegmentConfig, PlatformConfig, PmemConfig, RngConfig, VmConfig, DEFAULT_DEBUG_CONSOLE_PORT,
+    DEFAULT_MAX_PHYS_BITS, DEFAULT_MEMORY_SIZE, DEFAULT_VCPUS, MAX_VCPUS,
 };
+
+/// Deserializes an API body (`vm.create`, `vm.add-pmem`, ...) as upstream
+/// does: fields it does not know are ignored. Returns the value and the
+/// paths of the ignored fields (`cpus.bogus`, `pmem.0.x`).
+pub fn from_json_ignoring<T: DeserializeOwned>(
+    body: &[u8],
+) -> Result<(T, Vec<String>), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let mut ignored = Vec::new();
+    let value = serde_ignored::deserialize(&mut de, |path| {
+        // `?` marks a step through an `Option`: not part of the JSON path.
+        let p = path.to_string().replace(".?", "");
+        ignored.push(p.strip_prefix("?.").unwrap_or(&p).to_owned());
+    })?;
+    de.end()?;
+    Ok((value, ignored))
+}
+
+/// [`from_json_ignoring`], logging a warning for each ignored field.
+pub fn from_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, serde_json::Error> {
+    let (value, ignored) = from_json_ignoring(body)?;
+    for path in ignored {
+        log::warn!(
+            "ignoring unknown field `{}` in the request body",
+            option_parser::esc(&path)
+        );
+    }
+    Ok(value)
+}
 
 /// A bad command-line option value: one line naming the option, the value
 /// as given, what is wrong (key and value) and the option's syntax.
@@ -74,3 +108,6 @@ impl OptionError {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod compat_tests;

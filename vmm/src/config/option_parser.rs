@@ -303,6 +303,64 @@ impl FromStr for Toggle {
     }
 }
 
+/// Most integers a list may expand to (`0-3` is four): a hostile range
+/// such as `0-4294967295` is an error, not gigabytes of memory.
+pub const MAX_LIST_LEN: u64 = 4096;
+
+/// Upstream's string list: `a,b` or `[a,b]` (brackets optional), split at
+/// commas outside quotes and brackets.
+pub fn string_list(s: &str) -> Result<Vec<String>, ParseError> {
+    let body = s.trim().trim_matches(|c| c == '[' || c == ']');
+    if body.is_empty() {
+        return Ok(Vec::new());
+    }
+    split_commas(body)
+}
+
+/// Upstream's integer list: `[1,3,5-7]` (brackets optional, `a-b` an
+/// inclusive range with `a < b`), at most [`MAX_LIST_LEN`] integers. The
+/// error is the offending item.
+pub fn integer_list(s: &str) -> Result<Vec<u64>, String> {
+    let body = s.trim().trim_matches(|c| c == '[' || c == ']');
+    let mut out = Vec::new();
+    for item in body.split(',') {
+        let num = |t: &str| t.trim().parse::<u64>().map_err(|_| item.to_owned());
+        let (a, b) = match item.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(item)?, num(item)?),
+        };
+        if a > b || (item.contains('-') && a == b) {
+            return Err(item.to_owned());
+        }
+        if (out.len() as u64).saturating_add(b - a + 1) > MAX_LIST_LEN {
+            return Err(format!("{item} (more than {MAX_LIST_LEN} integers)"));
+        }
+        out.extend(a..=b);
+    }
+    Ok(out)
+}
+
+/// Upstream's tuple list: `[k1@v1,k2@v2]` (brackets required), each value
+/// as given (may be a bracketed list). The error is the offending item.
+pub fn tuple_list(s: &str) -> Result<Vec<(String, String)>, String> {
+    let body = s
+        .trim()
+        .strip_prefix('[')
+        .and_then(|b| b.strip_suffix(']'))
+        .ok_or_else(|| s.to_owned())?;
+    if body.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    let items = split_commas(body).map_err(|_| s.to_owned())?;
+    items
+        .iter()
+        .map(|item| match item.trim().split_once('@') {
+            Some((k, v)) if !k.is_empty() && !v.contains('@') => Ok((k.to_owned(), v.to_owned())),
+            _ => Err(item.clone()),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

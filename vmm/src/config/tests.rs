@@ -47,7 +47,7 @@ fn kernel_initramfs_cmdline() {
     assert_eq!(err("stray"), "unknown argument `stray` (see --help)");
     assert_eq!(
         cl("--memory size=1G").unwrap_err().to_string(),
-        "--memory needs --kernel"
+        "--memory needs --kernel (or --firmware)"
     );
     // No VM options: no VM (the API may create one).
     let c = cl("--api-socket /run/ch.sock").unwrap();
@@ -63,7 +63,7 @@ fn cpus() {
     assert_eq!((c.boot_vcpus, c.max_vcpus), (2, 8));
     let c = vm("--cpus boot=254").cpus;
     assert_eq!(c.boot_vcpus, 254);
-    let syntax = "(syntax: --cpus boot=<boot_vcpus>,max=<max_vcpus>)";
+    let syntax = format!("(syntax: --cpus {})", CpusConfig::SYNTAX);
     let range = "expected an integer from 1 to 254";
     for (arg, msg) in [
         ("boot=0", format!("invalid value `0` for `boot`: {range}")),
@@ -83,7 +83,9 @@ fn cpus() {
         ),
         (
             "boot=1,maxx=2",
-            "unknown key `maxx` (accepted keys: boot, max)".into(),
+            "unknown key `maxx` (accepted keys: boot, max, topology, kvm_hyperv, \
+             max_phys_bits, affinity, features, nested, core_scheduling, profile)"
+                .into(),
         ),
         ("boot", "`boot` needs a value (boot=...)".into()),
     ] {
@@ -101,7 +103,7 @@ fn memory() {
     assert_eq!(vm("--memory size=512M").memory.size, 512 << 20);
     assert_eq!(vm("--memory size=65536K").memory.size, 64 << 20);
     assert_eq!(vm("--memory size=1048576").memory.size, 1 << 20);
-    let syntax = "(syntax: --memory size=<guest_memory_size>)";
+    let syntax = format!("(syntax: --memory {})", MemoryConfig::SYNTAX);
     assert_eq!(
         err("--memory size=0"),
         format!(
@@ -116,8 +118,19 @@ fn memory() {
             ByteSized::EXPECTED
         )
     );
-    assert!(
-        err("--memory size=1G,shared=on").contains("unknown key `shared` (accepted keys: size)")
+    assert!(err("--memory size=1G,sharde=on")
+        .contains("unknown key `sharde` (accepted keys: size, file,"));
+    let m = vm(
+        "--memory size=1G,shared=on,thp=off,reserve=on,hotplug_size=1G,hotplug_method=virtio-mem",
+    )
+    .memory;
+    assert!(m.shared && !m.thp && m.reserve);
+    assert_eq!(m.hotplug_size, Some(1 << 30));
+    assert_eq!(m.hotplug_method, HotplugMethod::VirtioMem);
+    // upstream accepts and ignores `file=`
+    assert_eq!(
+        vm("--memory size=1G,file=/x").memory,
+        vm("--memory size=1G").memory
     );
 }
 
@@ -179,7 +192,7 @@ fn pmem_bad_values() {
         (
             "file=/a,mergeable=on",
             "unknown key `mergeable` (accepted keys: file, size, iommu, discard_writes, id, \
-             pci_segment)"
+             pci_segment, pci_device_id)"
                 .into(),
         ),
         ("file=/a,file=/b", "`file` given twice".into()),
@@ -295,8 +308,13 @@ fn json_round_trip_with_upstream_names() {
     assert_eq!(j["memory"]["size"], 1u64 << 30);
     assert_eq!(
         j["pmem"][1],
-        serde_json::json!({"file": "/b", "size": 4 << 20, "iommu": false,
-                           "discard_writes": true, "id": "_pmem0", "pci_segment": 0})
+        serde_json::json!({"id": "_pmem0", "pci_segment": 0, "file": "/b", "size": 4 << 20,
+                           "discard_writes": true})
+    );
+    // upstream's key order, `None` keys and `iommu: false` left out
+    assert_eq!(
+        serde_json::to_string(&v.pmem()[1]).unwrap(),
+        r#"{"id":"_pmem0","pci_segment":0,"file":"/b","size":4194304,"discard_writes":true}"#
     );
     assert_eq!(j["serial"]["mode"], "Tty");
     assert_eq!(j["console"]["mode"], "Off");
@@ -343,35 +361,116 @@ fn json_defaults_as_upstream() {
 }
 
 #[test]
-fn json_deny_unknown_fields() {
+fn json_unknown_fields_are_ignored_as_upstream() {
     for (body, field) in [
         (r#"{"payload": {"kernel": "/k"}, "bogus": 1}"#, "bogus"),
         (
             r#"{"cpus": {"boot_vcpus": 1, "max_vcpus": 1, "boot": 1}}"#,
-            "boot",
+            "cpus.boot",
         ),
-        (r#"{"memory": {"size": 1, "sizee": 1}}"#, "sizee"),
-        (r#"{"payload": {"kernal": "/k"}}"#, "kernal"),
-        (r#"{"pmem": [{"file": "/a", "discard": true}]}"#, "discard"),
-        (r#"{"serial": {"mode": "Tty", "path": "/x"}}"#, "path"),
+        (r#"{"memory": {"size": 4096, "sizee": 1}}"#, "memory.sizee"),
+        (r#"{"payload": {"kernal": "/k"}}"#, "payload.kernal"),
+        (
+            r#"{"pmem": [{"file": "/a", "discard": true}]}"#,
+            "pmem.0.discard",
+        ),
+        (
+            r#"{"serial": {"mode": "Tty", "path": "/x"}}"#,
+            "serial.path",
+        ),
+        (r#"{"sgx_epc": [{"id": "e", "size": 1}]}"#, "sgx_epc"),
     ] {
-        let e = serde_json::from_str::<VmConfig>(body)
+        let (v, ignored) = from_json_ignoring::<VmConfig>(body.as_bytes()).unwrap();
+        assert_eq!(ignored, [field], "{body}");
+        // the same config as without the unknown field
+        let again: VmConfig = from_json(serde_json::to_string(&v).unwrap().as_bytes()).unwrap();
+        assert_eq!(again, v);
+    }
+    let (_, ignored) =
+        from_json_ignoring::<PmemConfig>(br#"{"file": "/a", "x": {"y": 1}}"#).unwrap();
+    assert_eq!(ignored, ["x"]);
+    // Serial `Socket` and `Pty` parse (validation refuses them for now).
+    let v: VmConfig = from_json(br#"{"serial": {"mode": "Socket", "socket": "/s"}}"#).unwrap();
+    assert_eq!(v.serial.mode, ConsoleOutputMode::Socket);
+}
+
+#[test]
+fn json_hostile_values_are_clear_errors() {
+    for (body, needle) in [
+        (r#"{"pmem": [{"size": 1}]}"#, "missing field `file`"),
+        (
+            r#"{"pmem": [{"file": "/a", "size": "1G"}]}"#,
+            "invalid type",
+        ),
+        (
+            r#"{"cpus": {"boot_vcpus": 300, "max_vcpus": 300}}"#,
+            "expected u8",
+        ),
+        (
+            r#"{"cpus": {"boot_vcpus": -1, "max_vcpus": 1}}"#,
+            "invalid value",
+        ),
+        (r#"{"memory": {"size": 99999999999999999999999}}"#, "u64"),
+        (r#"{"memory": {"size": 1.5}}"#, "invalid type"),
+        (
+            r#"{"cpus": {"boot_vcpus": 1, "max_vcpus": 1, "nested": "yes"}}"#,
+            "expected a boolean",
+        ),
+        (
+            r#"{"cpus": {"boot_vcpus": 1, "max_vcpus": 1, "profile": "Skylake"}}"#,
+            "unknown variant",
+        ),
+        (
+            r#"{"cpus": {"boot_vcpus": 1, "max_vcpus": 1, "core_scheduling": "vm"}}"#,
+            "unknown variant",
+        ),
+        (
+            r#"{"memory": {"size": 4096, "hotplug_method": "acpi"}}"#,
+            "unknown variant",
+        ),
+        (r#"{"serial": {"mode": "Serial"}}"#, "unknown variant"),
+        (
+            r#"{"debug_console": {"mode": "Off", "iobase": 65536}}"#,
+            "u16",
+        ),
+        (r#"{"pmem": [{"file": "/a", "pci_device_id": 256}]}"#, "u8"),
+        (r#"{"platform": {"num_pci_segments": "1"}}"#, "invalid type"),
+        (r#"{"pmem": {"file": "/a"}}"#, "invalid type"),
+        (
+            r#"{"payload": {"kernel": "/k"}} trailing"#,
+            "trailing characters",
+        ),
+        ("", "EOF"),
+    ] {
+        let e = from_json::<VmConfig>(body.as_bytes())
             .unwrap_err()
             .to_string();
-        assert!(e.contains(&format!("unknown field `{field}`")), "{e}");
+        assert!(e.contains(needle), "{body}: {e}");
+        assert!(!e.contains('\n'), "{e}");
     }
-    let e = serde_json::from_str::<VmConfig>(r#"{"serial": {"mode": "Socket"}}"#)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("unknown variant `Socket`"), "{e}");
-    let e = serde_json::from_str::<PmemConfig>(r#"{"size": 1}"#)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("missing field `file`"), "{e}");
-    let e = serde_json::from_str::<PmemConfig>(r#"{"file": "/a", "size": "1G"}"#)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("invalid type"), "{e}");
+    // Control characters and empty strings parse as data; validation names them.
+    let dir = tempfile::tempdir().unwrap();
+    let mut v = with_pmem(dir.path(), &[]);
+    v.payload_mut().cmdline = Some("a\u{1}b".into());
+    v.validate().unwrap();
+    v.pmem = Some(vec![PmemConfig::parse("file=/nonexistent\u{7}").unwrap()]);
+    let e = v.validate().unwrap_err().to_string();
+    assert!(e.contains("cannot open"), "{e}");
+    v.pmem = Some(vec![PmemConfig {
+        id: Some(String::new()),
+        ..PmemConfig::parse("file=/x").unwrap()
+    }]);
+    assert_eq!(
+        v.validate().unwrap_err().to_string(),
+        "device id ``: ids starting with `__` are reserved and ids must not be empty"
+    );
+    v.pmem = Some(vec![PmemConfig {
+        id: Some("a\nb".into()),
+        ..PmemConfig::parse("file=/x").unwrap()
+    }]);
+    v.console.id = Some("a\nb".into());
+    let e = v.validate().unwrap_err().to_string();
+    assert_eq!(e, "device id `a\\nb` is used twice");
 }
 
 // --- validate() on real files ---
@@ -585,15 +684,18 @@ fn validate_payload_cpus_memory_consoles() {
     assert!(check(&|v| v.cpus.boot_vcpus = 255)
         .unwrap_err()
         .contains("boot_vcpus 255"));
-    assert!(check(&|v| {
-        v.cpus.boot_vcpus = 4;
-        v.cpus.max_vcpus = 2
-    })
-    .unwrap_err()
-    .contains("lower than boot_vcpus"));
-    assert!(check(&|v| v.cpus.max_vcpus = 2)
+    assert_eq!(
+        check(&|v| {
+            v.cpus.boot_vcpus = 4;
+            v.cpus.max_vcpus = 2
+        }),
+        Err("cpus: max_vcpus 2 must be from boot_vcpus (4) to 254".into())
+    );
+    assert!(check(&|v| v.cpus.max_vcpus = 255)
         .unwrap_err()
-        .contains("CPU hot-plug"));
+        .contains("max_vcpus 255"));
+    // max above boot: kept, the guest gets boot (no vCPU hot-plug)
+    assert_eq!(check(&|v| v.cpus.max_vcpus = 8), Ok(()));
     for size in [0, 4095, 4 << 30] {
         assert!(check(&|v| v.memory.size = size)
             .unwrap_err()
@@ -638,50 +740,257 @@ fn validate_unsupported_only_at_default() {
         .unwrap_err()
         .to_string()
         .starts_with("`pmem[0].pci_segment` = 1"));
+    let mut v = with_pmem(d, &[pm(&a, ",pci_device_id=3")]);
+    assert!(v
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .starts_with("`pmem[0].pci_device_id` = 3"));
     let base = with_pmem(d, &[]);
-    let mut j = serde_json::to_value(&base).unwrap();
+    let j = serde_json::to_value(&base).unwrap();
+    let set = |path: &str, value: serde_json::Value| {
+        let mut j = j.clone();
+        let (parent, key) = path.rsplit_once('/').unwrap();
+        let obj = if parent.is_empty() {
+            &mut j
+        } else {
+            j.pointer_mut(parent).unwrap()
+        };
+        obj.as_object_mut().unwrap().insert(key.to_owned(), value);
+        let mut v: VmConfig = serde_json::from_value(j).unwrap();
+        v.validate().map(|_| ()).map_err(|e| e.to_string())
+    };
+    use serde_json::json;
     for (path, value, field) in [
-        ("/iommu", serde_json::json!(true), "iommu"),
-        ("/watchdog", serde_json::json!(true), "watchdog"),
-        ("/disks", serde_json::json!([{"path": "/x"}]), "disks"),
-        ("/net", serde_json::json!([{}]), "net"),
-        ("/balloon", serde_json::json!({"size": 1}), "balloon"),
-        ("/memory/shared", serde_json::json!(true), "memory.shared"),
-        ("/memory/thp", serde_json::json!(false), "memory.thp"),
+        ("/iommu", json!(true), "iommu"),
+        ("/watchdog", json!(true), "watchdog"),
+        ("/pvpanic", json!(true), "pvpanic"),
+        ("/gdb", json!(true), "gdb"),
+        ("/memory/shared", json!(true), "memory.shared"),
+        ("/memory/mergeable", json!(true), "memory.mergeable"),
+        ("/memory/hugepages", json!(true), "memory.hugepages"),
         (
-            "/memory/hotplug_size",
-            serde_json::json!(1),
-            "memory.hotplug_size",
+            "/memory/hugepage_size",
+            json!(2097152),
+            "memory.hugepage_size",
+        ),
+        ("/memory/prefault", json!(true), "memory.prefault"),
+        ("/memory/reserve", json!(true), "memory.reserve"),
+        ("/memory/hotplug_size", json!(1), "memory.hotplug_size"),
+        (
+            "/memory/hotplugged_size",
+            json!(1),
+            "memory.hotplugged_size",
+        ),
+        ("/cpus/kvm_hyperv", json!(true), "cpus.kvm_hyperv"),
+        ("/cpus/max_phys_bits", json!(40), "cpus.max_phys_bits"),
+        ("/cpus/nested", json!(false), "cpus.nested"),
+        (
+            "/cpus/core_scheduling",
+            json!("Vcpu"),
+            "cpus.core_scheduling",
+        ),
+        ("/cpus/features", json!({"amx": true}), "cpus.features.amx"),
+        (
+            "/cpus/affinity",
+            json!([{"vcpu": 0, "host_cpus": [1]}]),
+            "cpus.affinity",
         ),
         (
-            "/cpus/kvm_hyperv",
-            serde_json::json!(true),
-            "cpus.kvm_hyperv",
+            "/cpus/topology",
+            json!({"threads_per_core": 2, "cores_per_die": 1, "dies_per_package": 1,
+                   "packages": 1}),
+            "cpus.topology",
+        ),
+        ("/console/iommu", json!(true), "console.iommu"),
+        ("/console/pci_segment", json!(1), "console.pci_segment"),
+        ("/console/pci_device_id", json!(5), "console.pci_device_id"),
+        ("/rng/src", json!("/dev/random"), "rng.src"),
+        ("/rng/iommu", json!(true), "rng.iommu"),
+        ("/rng/pci_segment", json!(2), "rng.pci_segment"),
+        ("/rng/pci_device_id", json!(1), "rng.pci_device_id"),
+        ("/payload/firmware", json!("/fw"), "payload.firmware"),
+        ("/payload/igvm", json!("/x.igvm"), "payload.igvm"),
+        ("/payload/host_data", json!("00"), "payload.host_data"),
+        ("/payload/fw_cfg_config", json!({}), "payload.fw_cfg_config"),
+        (
+            "/debug_console",
+            json!({"mode": "Tty"}),
+            "debug_console.mode",
         ),
         (
-            "/cpus/max_phys_bits",
-            serde_json::json!(40),
-            "cpus.max_phys_bits",
+            "/pci_segments",
+            json!([{"pci_segment": 1}]),
+            "pci_segments[0].pci_segment",
         ),
-        ("/serial/iommu", serde_json::json!(true), "serial.iommu"),
-        ("/rng/src", serde_json::json!("/dev/random"), "rng"),
         (
-            "/payload/firmware",
-            serde_json::json!("/fw"),
-            "payload.firmware",
+            "/platform",
+            json!({"num_pci_segments": 2}),
+            "platform.num_pci_segments",
+        ),
+        (
+            "/platform",
+            json!({"serial_number": "x"}),
+            "platform.system_serial_number",
+        ),
+        ("/platform", json!({"uuid": "x"}), "platform.system_uuid"),
+        (
+            "/platform",
+            json!({"oem_strings": ["a"]}),
+            "platform.oem_strings",
+        ),
+        ("/platform", json!({"iommufd": true}), "platform.iommufd"),
+        (
+            "/platform",
+            json!({"iommu_segments": [0]}),
+            "platform.iommu_segments",
+        ),
+        ("/platform", json!({"tdx": true}), "platform.tdx"),
+    ] {
+        let e = set(path, value).unwrap_err();
+        assert!(e.starts_with(&format!("`{field}` = ")), "{path}: {e}");
+    }
+    // Devices we do not have: the field and its option named.
+    for (path, value, msg) in [
+        (
+            "/disks",
+            json!([{"path": "/x"}]),
+            "`disks` (--disk): this VMM has no virtio-block device; remove it",
+        ),
+        (
+            "/net",
+            json!([{}]),
+            "`net` (--net): this VMM has no virtio-net device; remove it",
+        ),
+        (
+            "/balloon",
+            json!({"size": 1}),
+            "`balloon` (--balloon): this VMM has no virtio-balloon device; remove it",
+        ),
+        (
+            "/vsock",
+            json!({"cid": 3, "socket": "/s"}),
+            "`vsock` (--vsock): this VMM has no virtio-vsock device; remove it",
+        ),
+        (
+            "/fs",
+            json!([{"tag": "t", "socket": "/s"}]),
+            "`fs` (--fs): this VMM has no virtio-fs device; remove it",
+        ),
+        (
+            "/devices",
+            json!([{"path": "/sys/x"}]),
+            "`devices` (--device): this VMM has no VFIO device assignment; remove it",
+        ),
+        (
+            "/user_devices",
+            json!([{"socket": "/s"}]),
+            "`user_devices` (--user-device): this VMM has no vfio-user device; remove it",
+        ),
+        (
+            "/vdpa",
+            json!([{"path": "/dev/vhost-vdpa-0"}]),
+            "`vdpa` (--vdpa): this VMM has no vDPA device; remove it",
+        ),
+        (
+            "/generic_vhost_user",
+            json!([{"socket": "/s", "queue_sizes": [1], "device_type": 1}]),
+            "`generic_vhost_user` (--generic-vhost-user): this VMM has no generic vhost-user \
+             device; remove it",
+        ),
+        (
+            "/tpm",
+            json!({"socket": "/s"}),
+            "`tpm` (--tpm): this VMM has no TPM device; remove it",
+        ),
+        (
+            "/rtc",
+            json!({}),
+            "`rtc` (--rtc): this VMM has no virtio-rtc device; remove it",
+        ),
+        (
+            "/numa",
+            json!([{"guest_numa_id": 0}]),
+            "`numa` (--numa): this VMM has no NUMA support; remove it",
+        ),
+        (
+            "/rate_limit_groups",
+            json!([{"id": "g"}]),
+            "`rate_limit_groups` (--rate-limit-group): this VMM has no rate limiter; remove it",
+        ),
+        (
+            "/memory/zones",
+            json!([{"id": "z", "size": 1}]),
+            "`memory.zones` (--memory-zone): this VMM has no memory zones; remove it",
+        ),
+        (
+            "/landlock_rules",
+            json!([{"path": "/", "access": "r"}]),
+            "`landlock_rules` (--landlock-rules): this VMM has no Landlock confinement; \
+             remove it",
+        ),
+        (
+            "/pvmemcontrol",
+            json!({}),
+            "`pvmemcontrol` (--pvmemcontrol): this VMM has no pvmemcontrol device; remove it",
+        ),
+        (
+            "/ivshmem",
+            json!({"path": "/x", "size": 1}),
+            "`ivshmem` (--ivshmem): this VMM has no ivshmem device; remove it",
         ),
     ] {
-        let saved = j.pointer(path).cloned();
-        *j.pointer_mut(path).unwrap() = value;
-        let mut v: VmConfig = serde_json::from_value(j.clone()).unwrap();
-        let e = v.validate().unwrap_err().to_string();
-        assert!(e.starts_with(&format!("`{field}` = ")), "{path}: {e}");
-        *j.pointer_mut(path).unwrap() = saved.unwrap();
+        assert_eq!(set(path, value), Err(msg.into()), "{path}");
     }
-    // Empty lists are upstream's defaults too.
-    j["disks"] = serde_json::json!([]);
-    let mut v: VmConfig = serde_json::from_value(j).unwrap();
-    v.validate().unwrap();
+    assert!(set("/landlock_enable", json!(true))
+        .unwrap_err()
+        .contains("Landlock confinement is not implemented"));
+    // Upstream's defaults, and values that describe what this VMM does.
+    for (path, value) in [
+        ("/disks", json!([])),
+        ("/disks", json!(null)),
+        ("/net", json!([])),
+        ("/balloon", json!(null)),
+        ("/memory/thp", json!(false)),
+        ("/memory/hotplug_size", json!(0)),
+        ("/memory/hotplug_method", json!("VirtioMem")),
+        ("/cpus/core_scheduling", json!("Off")),
+        ("/cpus/affinity", json!([])),
+        (
+            "/cpus/topology",
+            json!({"threads_per_core": 1, "cores_per_die": 1, "dies_per_package": 1,
+                   "packages": 1}),
+        ),
+        ("/debug_console", json!({"mode": "Off", "iobase": 0x402})),
+        (
+            "/pci_segments",
+            json!([{"pci_segment": 0, "mmio32_aperture_weight": 4}]),
+        ),
+        (
+            "/platform",
+            json!({"num_pci_segments": 1, "iommu_address_width_bits": 48,
+                   "vfio_p2p_dma": false}),
+        ),
+        ("/console/id", json!("con0")),
+    ] {
+        assert_eq!(set(path, value.clone()), Ok(()), "{path} = {value}");
+    }
+    // An id used by the console and a pmem device.
+    let mut v = with_pmem(d, &[pm(&a, ",id=x")]);
+    v.console.id = Some("x".into());
+    assert_eq!(
+        v.validate().unwrap_err().to_string(),
+        "device id `x` is used twice"
+    );
+    // Refused values are shown escaped and cut short.
+    let e = set("/disks", json!([{"path": "a\nb".repeat(500)}])).unwrap_err();
+    assert!(!e.contains('\n'), "{e}");
+    let e = set(
+        "/cpus/affinity",
+        json!([{"vcpu": 0, "host_cpus": vec![1; 5000]}]),
+    )
+    .unwrap_err();
+    assert!(e.len() < 400, "{e}");
 }
 
 #[test]
@@ -721,4 +1030,425 @@ fn errors_echoing_control_characters_stay_one_line() {
     assert!(!e.to_string().contains('\n'), "{e}");
     let e = CpusConfig::parse("boot=x\r1").unwrap_err();
     assert!(!e.to_string().contains('\r'), "{e}");
+}
+
+// --- every upstream option ---
+
+/// Upstream v54's options (default build), as its `--help` lists them.
+const UPSTREAM_OPTIONS: &[&str] = &[
+    "api-socket",
+    "balloon",
+    "cmdline",
+    "console",
+    "cpus",
+    "debug-console",
+    "device",
+    "disk",
+    "event-monitor",
+    "firmware",
+    "fs",
+    "generic-vhost-user",
+    "initramfs",
+    "kernel",
+    "landlock",
+    "landlock-rules",
+    "log-file",
+    "log-format",
+    "memory",
+    "memory-zone",
+    "net",
+    "no-shutdown",
+    "numa",
+    "pci-segment",
+    "platform",
+    "pmem",
+    "pvpanic",
+    "rate-limit-group",
+    "restore",
+    "rng",
+    "rtc",
+    "seccomp",
+    "serial",
+    "tpm",
+    "user-device",
+    "v",
+    "vdpa",
+    "version",
+    "vsock",
+    "watchdog",
+    "help",
+];
+
+#[test]
+fn every_upstream_option_is_known_and_in_the_help() {
+    assert_eq!(UPSTREAM_OPTIONS.len(), 41);
+    let ours: Vec<&str> = cli::option_names().collect();
+    assert_eq!(ours, UPSTREAM_OPTIONS);
+    let help = cli::help();
+    for o in UPSTREAM_OPTIONS {
+        let flag = match *o {
+            "v" => "-v".to_owned(),
+            o => format!("--{o}"),
+        };
+        assert!(
+            help.lines()
+                .filter(|l| l.trim_start().starts_with('-'))
+                .any(|l| l
+                    .split_whitespace()
+                    .any(|w| w.trim_end_matches(',') == flag)),
+            "{flag} not in --help"
+        );
+    }
+    for s in [
+        PmemConfig::SYNTAX,
+        CpusConfig::SYNTAX,
+        MemoryConfig::SYNTAX,
+        PlatformConfig::SYNTAX,
+        options::RestoreConfig::SYNTAX,
+    ] {
+        assert!(help.contains(s), "{s}");
+    }
+}
+
+/// The VM config of a command line with a real kernel, validated: the
+/// error line, or `Ok`.
+fn validated(args: &str) -> Result<VmConfig, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let k = touch(dir.path(), "k", 4096);
+    let mut all = vec!["--kernel".to_owned(), k.display().to_string()];
+    all.extend(args.split_whitespace().map(str::to_owned));
+    let mut v = CommandLine::parse(all)
+        .map_err(|e| e.to_string())?
+        .vm
+        .unwrap();
+    v.validate().map_err(|e| e.to_string())?;
+    Ok(v)
+}
+
+#[test]
+fn device_options_parse_with_upstream_keys_then_validation_names_them() {
+    for (args, msg) in [
+        ("--disk path=/x,readonly=on", "`disks` (--disk)"),
+        ("--disk path=/a path=/b", "`disks` (--disk)"),
+        ("--net tap=tap0,mac=12:34:56:78:9a:bc", "`net` (--net)"),
+        ("--balloon size=1G", "`balloon` (--balloon)"),
+        ("--fs tag=t,socket=/s", "`fs` (--fs)"),
+        (
+            "--device path=/sys/bus/pci/devices/0000:01:00.0",
+            "`devices` (--device)",
+        ),
+        ("--user-device socket=/s", "`user_devices` (--user-device)"),
+        ("--vdpa path=/dev/vhost-vdpa-0", "`vdpa` (--vdpa)"),
+        ("--vsock cid=3,socket=/s", "`vsock` (--vsock)"),
+        ("--numa guest_numa_id=0", "`numa` (--numa)"),
+        (
+            "--memory-zone id=z,size=1G",
+            "`memory.zones` (--memory-zone)",
+        ),
+        (
+            "--rate-limit-group bw_size=1,id=g",
+            "`rate_limit_groups` (--rate-limit-group)",
+        ),
+        ("--tpm socket=/s", "`tpm` (--tpm)"),
+        ("--rtc", "`rtc` (--rtc)"),
+        ("--rtc id=r", "`rtc` (--rtc)"),
+        (
+            "--generic-vhost-user socket=/s,device_type=1,queue_sizes=[1]",
+            "`generic_vhost_user` (--generic-vhost-user)",
+        ),
+        (
+            "--landlock-rules path=/,access=r",
+            "`landlock_rules` (--landlock-rules)",
+        ),
+    ] {
+        let e = validated(args).unwrap_err();
+        assert!(e.starts_with(msg), "{args}: {e}");
+        assert!(e.contains("this VMM has no"), "{args}: {e}");
+    }
+    for (args, field) in [
+        ("--pvpanic", "pvpanic"),
+        ("--watchdog", "watchdog"),
+        ("--firmware /fw", "payload.firmware"),
+        ("--debug-console tty", "debug_console.mode"),
+        ("--debug-console file=/x,iobase=0x402", "debug_console.mode"),
+        ("--platform num_pci_segments=2", "platform.num_pci_segments"),
+        (
+            "--platform serial_number=abc",
+            "platform.system_serial_number",
+        ),
+        ("--platform uuid=1234", "platform.system_uuid"),
+        ("--platform oem_strings=[a,b]", "platform.oem_strings"),
+        ("--platform iommufd_fd=3", "platform.iommufd"),
+        ("--pci-segment pci_segment=1", "pci_segments[0].pci_segment"),
+        ("--cpus boot=2,topology=2:1:1:1", "cpus.topology"),
+        ("--cpus boot=2,kvm_hyperv=on", "cpus.kvm_hyperv"),
+        ("--cpus boot=2,max_phys_bits=40", "cpus.max_phys_bits"),
+        ("--cpus boot=2,affinity=[0@[0-1],1@[2]]", "cpus.affinity"),
+        ("--cpus features=amx", "cpus.features.amx"),
+        ("--cpus nested=off", "cpus.nested"),
+        ("--cpus core_scheduling=vcpu", "cpus.core_scheduling"),
+        ("--memory size=1G,shared=on", "memory.shared"),
+        ("--memory size=1G,hugepages=on", "memory.hugepages"),
+        ("--memory size=1G,hotplug_size=1G", "memory.hotplug_size"),
+        ("--memory size=1G,prefault=on", "memory.prefault"),
+        ("--memory size=1G,reserve=on", "memory.reserve"),
+        ("--memory size=1G,mergeable=on", "memory.mergeable"),
+    ] {
+        let e = validated(args).unwrap_err();
+        assert!(e.starts_with(&format!("`{field}` = ")), "{args}: {e}");
+    }
+    assert!(validated("--landlock")
+        .unwrap_err()
+        .contains("Landlock confinement is not implemented"));
+    // What this VMM does anyway is accepted.
+    for args in [
+        "--cpus boot=2,max=4",
+        "--cpus boot=2,topology=1:2:1:1,nested=on,core_scheduling=off,profile=Host",
+        "--cpus boot=1,affinity=[],features=[],kvm_hyperv=off,max_phys_bits=46",
+        "--memory size=1G,thp=off,hotplug_method=virtio-mem,file=/ignored",
+        "--debug-console off,iobase=0x402",
+        "--platform num_pci_segments=1,iommu_address_width=48,vfio_p2p_dma=off,iommufd=off",
+        "--pci-segment pci_segment=0,mmio32_aperture_weight=2",
+        "--rng src=/dev/urandom",
+    ] {
+        validated(args).unwrap_or_else(|e| panic!("{args}: {e}"));
+    }
+    let v = validated("--cpus boot=2,max=4").unwrap();
+    assert_eq!((v.cpus.boot_vcpus, v.cpus.max_vcpus), (2, 4));
+}
+
+#[test]
+fn device_options_refuse_unknown_keys_like_upstream() {
+    for (args, needle) in [
+        (
+            "--disk path=/x,bogus=1",
+            "--disk \"path=/x,bogus=1\": unknown key `bogus`",
+        ),
+        ("--net tap=t,speed=1", "unknown key `speed`"),
+        ("--vsock cid=3,socket=/s,x", "unknown key `x`"),
+        ("--rtc frequency=1", "unknown key `frequency`"),
+        ("--tpm", "--tpm needs a value"),
+        ("--disk", "--disk needs a value"),
+        (
+            "--platform num_pci_segments=x",
+            "invalid value `x` for `num_pci_segments`",
+        ),
+        ("--platform iommu_segments=[0-99999]", "iommu_segments"),
+        (
+            "--pci-segment mmio32_aperture_weight=0",
+            "invalid value `0`",
+        ),
+        (
+            "--debug-console iobase=0x402",
+            "`off|pty|tty|null|file` is required",
+        ),
+        (
+            "--debug-console off,iobase=402",
+            "invalid value `402` for `iobase`",
+        ),
+        (
+            "--debug-console off,iobase=0x10000",
+            "invalid value `0x10000`",
+        ),
+        ("--debug-console off,tty", "exclude each other"),
+        (
+            "--cpus topology=1:2:1",
+            "invalid value `1:2:1` for `topology`",
+        ),
+        ("--cpus topology=1:2:1:99999", "for `topology`"),
+        ("--cpus affinity=0@[1]", "for `affinity`"),
+        (
+            "--cpus affinity=[0@[0-4294967295]]",
+            "more than 4096 integers",
+        ),
+        (
+            "--cpus affinity=[x@[1]]",
+            "invalid value `x` for `affinity`",
+        ),
+        ("--cpus features=avx", "invalid value `avx` for `features`"),
+        ("--cpus nested=maybe", "invalid value `maybe` for `nested`"),
+        ("--cpus core_scheduling=thread", "for `core_scheduling`"),
+        ("--cpus profile=host", "invalid value `host` for `profile`"),
+        ("--memory hotplug_method=dimm", "for `hotplug_method`"),
+        (
+            "--memory size=1G,hotplug_size=99999999999G",
+            "for `hotplug_size`",
+        ),
+        ("--pmem file=/x,pci_device_id=32", "for `pci_device_id`"),
+        ("--pmem file=/x,pci_device_id=-1", "for `pci_device_id`"),
+        ("--rng source=/dev/random", "unknown key `source`"),
+        ("--pvpanic=on", "--pvpanic takes no value"),
+        ("--landlock=1", "--landlock takes no value"),
+        (
+            "--balloon size=1G --balloon size=2G",
+            "--balloon given twice",
+        ),
+    ] {
+        let e = err(args);
+        assert!(e.contains(needle), "{args}: {e}");
+    }
+    // A VM option without a payload: upstream's clap refuses it (exit 2).
+    let e = cl("--disk path=/x").unwrap_err();
+    assert_eq!(e.to_string(), "--disk needs --kernel (or --firmware)");
+    assert_eq!(e.exit_code(), 2);
+    // --firmware is a payload: the VM exists, validation refuses firmware.
+    let v = cl("--firmware /fw --memory size=1G").unwrap().vm.unwrap();
+    assert_eq!(v.payload.unwrap().firmware, Some(PathBuf::from("/fw")));
+}
+
+#[test]
+fn vmm_options_event_monitor_log_seccomp_restore() {
+    use options::{EventMonitor, MemoryRestoreMode, Seccomp};
+    let c = cl("--api-socket /s --event-monitor path=/tmp/ev --log-file /tmp/log --seccomp log")
+        .unwrap();
+    assert_eq!(c.event_monitor, Some(EventMonitor::Path("/tmp/ev".into())));
+    assert_eq!(c.log_file, Some(PathBuf::from("/tmp/log")));
+    assert_eq!(c.seccomp, Seccomp::Log);
+    assert_eq!(c.vm, None);
+    c.check_supported().unwrap();
+    assert_eq!(
+        cl("--event-monitor fd=3").unwrap().event_monitor,
+        Some(EventMonitor::Fd(3))
+    );
+    assert_eq!(cl("--api-socket /s").unwrap().seccomp, Seccomp::True);
+    for (v, s) in [
+        ("true", Seccomp::True),
+        ("false", Seccomp::False),
+        ("log", Seccomp::Log),
+        ("errno", Seccomp::Errno),
+    ] {
+        assert_eq!(cl(&format!("--seccomp {v}")).unwrap().seccomp, s);
+    }
+    for (args, needle, code) in [
+        ("--event-monitor /tmp/ev", "unknown key `/tmp/ev`", 1),
+        ("--event-monitor fd=-1", "invalid value `-1` for `fd`", 1),
+        ("--event-monitor fd=99999999999", "for `fd`", 1),
+        ("--event-monitor path=", "`path` needs a value", 1),
+        ("--event-monitor fd=x,path=/p", "for `fd`", 1),
+        ("--event-monitor", "--event-monitor needs a value", 2),
+        ("--seccomp yes", "--seccomp \"yes\": invalid value", 2),
+        ("--seccomp TRUE", "invalid value", 2),
+        ("--seccomp", "--seccomp needs a value", 2),
+        ("--log-file", "--log-file needs a value", 2),
+        (
+            "--log-format {bogus}",
+            "invalid value `{bogus}` for `token`",
+            1,
+        ),
+        ("--log-format {msg", "unbalanced", 1),
+        ("--log-format }", "unbalanced", 1),
+        ("--restore prefault=on", "`source_url` is required", 1),
+        (
+            "--restore source_url=file:///d,bogus=1",
+            "unknown key `bogus`",
+            1,
+        ),
+        (
+            "--restore source_url=file:///d,memory_restore_mode=lazy",
+            "for `memory_restore_mode`",
+            1,
+        ),
+        (
+            "--restore source_url=file:///d,resume=maybe",
+            "for `resume`",
+            1,
+        ),
+        (
+            "--restore source_url=file:///d,net_fds=[n@[x]]",
+            "for `net_fds`",
+            1,
+        ),
+        ("--no-shutdown=1", "--no-shutdown takes no value", 2),
+        (
+            "--no-shutdown --no-shutdown",
+            "--no-shutdown given twice",
+            2,
+        ),
+    ] {
+        let e = cl(args).unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains(needle), "{args}: {m}");
+        assert!(!m.contains('\n'), "{m}");
+        assert_eq!(e.exit_code(), code, "{args}: {m}");
+    }
+    // Good values that are not implemented are refused after parsing.
+    let c = cl(
+        "--restore source_url=file:///snap,prefault=on,memory_restore_mode=ondemand,resume=on,\
+         net_fds=[net0@[3,4]],vfio_fds=[v0@5],zone_updates=[z@1]",
+    )
+    .unwrap();
+    let r = c.restore.clone().unwrap();
+    assert_eq!(r.source_url, PathBuf::from("file:///snap"));
+    assert!(r.prefault && r.resume);
+    assert_eq!(r.memory_restore_mode, MemoryRestoreMode::OnDemand);
+    assert_eq!(r.net_fds, Some(vec![("net0".to_owned(), vec![3, 4])]));
+    assert_eq!(r.vfio_fds, Some(vec![("v0".to_owned(), 5)]));
+    assert_eq!(r.zone_updates, [("z".to_owned(), 1)]);
+    let e = c.check_supported().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "--restore: restoring a snapshot is not implemented in this VMM yet"
+    );
+    assert_eq!(e.exit_code(), 1);
+    let e = cl("--api-socket /s --no-shutdown")
+        .unwrap()
+        .check_supported();
+    assert!(e
+        .unwrap_err()
+        .to_string()
+        .starts_with("--no-shutdown: not implemented"));
+    let c = cl(&format!(
+        "--api-socket /s --log-format {}",
+        options::DEFAULT_LOG_FORMAT.replace(' ', "_")
+    ))
+    .unwrap();
+    assert!(c
+        .check_supported()
+        .unwrap_err()
+        .to_string()
+        .starts_with("--log-format"));
+    assert!(cl("--log-format {{literal}}_{localyear}_{levelchar}").is_ok());
+}
+
+#[test]
+fn exit_codes_follow_upstream() {
+    for (args, code) in [
+        ("--frobnicate", 2),
+        ("stray", 2),
+        ("--kernel", 2),
+        ("--kernel /k --kernel /k", 2),
+        ("--memory size=1G", 2),
+        ("--pvpanic=1", 2),
+        ("--seccomp bogus", 2),
+        ("--kernel /k --cpus boot=x", 1),
+        ("--kernel /k --disk path=/x,bogus=1", 1),
+        ("--api-socket fd=x", 1),
+    ] {
+        assert_eq!(cl(args).unwrap_err().exit_code(), code, "{args}");
+    }
+}
+
+#[test]
+fn cli_hostile_values_stay_one_line_without_panic() {
+    let long = "x".repeat(100_000);
+    for opt in UPSTREAM_OPTIONS {
+        for v in [
+            "",
+            "\u{0}",
+            "a\nb=\r1",
+            "[[[",
+            "]",
+            "\"",
+            "=,=,=",
+            "k=v,k=v",
+            "99999999999999999999999",
+            long.as_str(),
+        ] {
+            let args = ["--kernel", "/k", &format!("--{opt}"), v];
+            if let Err(e) = CommandLine::parse(args) {
+                let m = e.to_string();
+                assert!(!m.contains('\n') && !m.contains('\r'), "--{opt} {v:?}: {m}");
+            }
+        }
+    }
 }

@@ -1,11 +1,21 @@
 //! [`VmConfig::validate`]: checks on the whole config, after option
-//! parsing or JSON deserialization and before any device is built.
+//! parsing or JSON deserialization and before any device is built. It runs
+//! at `vm.create` (and at start for the command line) and again at
+//! `vm.boot`.
 //!
 //! Rules (upstream's unless marked *ours*):
-//! - fields we do not support are accepted only at upstream's default
-//!   value; any other value is an error naming the field (*ours*);
-//! - `boot_vcpus` 1..=254 and `max_vcpus >= boot_vcpus`; `max_vcpus` must
-//!   equal `boot_vcpus` because there is no CPU hot-plug (*ours*);
+//! - every field of upstream's config is accepted at upstream's default
+//!   value, and at values that describe what this VMM does anyway (listed
+//!   in `docs/vmm.md`); any other value is an error naming the field
+//!   (*ours*: upstream has the feature). A device this VMM does not have
+//!   (`disks`, `net`, `balloon`, ...) is refused unless absent, `null` or an
+//!   empty list, with an error naming the field and its option;
+//! - `landlock_enable` is refused (*ours*): confinement is not implemented
+//!   yet, and running unconfined when confinement was asked for is worse
+//!   than not running;
+//! - `boot_vcpus` 1..=254 and `max_vcpus >= boot_vcpus`; with `max_vcpus >
+//!   boot_vcpus` the guest gets `boot_vcpus` (*ours*: there is no vCPU
+//!   hot-plug, `max_vcpus` is only kept in the config);
 //! - RAM: a non-zero multiple of 4 KiB, at most [`crate::vm::MAX_RAM`]
 //!   (*ours*: the VM places RAM below the 32-bit hole);
 //! - a kernel is given and is a readable regular file, and so is the
@@ -14,8 +24,9 @@
 //!   there), not both on `Tty`; `Pty` and `Socket` are not supported, and
 //!   the console (virtio-console, which does not exist yet) accepts only
 //!   `Off`, `Null` and upstream's default `Tty`, creating nothing (*ours*);
-//! - device ids are unique and do not start with `__`; pmem devices
-//!   without one get `_pmem0`, `_pmem1`, ... (skipping ids in use);
+//! - device ids (pmem, console, rng) are unique and do not start with
+//!   `__`; pmem devices without one get `_pmem0`, `_pmem1`, ... (skipping
+//!   ids in use);
 //! - each pmem file exists, is a regular file, and no two devices use the
 //!   same file (*ours*); a pcow image (recognised by its magic) opens with
 //!   its chain, has a virtual size that is a multiple of 2 MiB, and `size=`
@@ -34,8 +45,10 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+use super::option_parser::esc;
 use super::vm_config::{
-    ConsoleConfig, ConsoleOutputMode, PmemConfig, VmConfig, DEFAULT_MAX_PHYS_BITS, MAX_VCPUS,
+    ConsoleConfig, ConsoleOutputMode, CoreScheduling, PmemConfig, VmConfig, DEFAULT_MAX_PHYS_BITS,
+    MAX_VCPUS,
 };
 
 /// pmem devices are sized and placed in 2 MiB units, as upstream does.
@@ -55,12 +68,21 @@ pub enum ValidationError {
         value: String,
         default: &'static str,
     },
+    #[error("`{field}` ({option}): this VMM has no {what}; remove it")]
+    NoDevice {
+        field: &'static str,
+        option: &'static str,
+        what: &'static str,
+    },
+    #[error(
+        "`landlock_enable` (--landlock): Landlock confinement is not implemented in this VMM \
+         yet; refusing to run unconfined when confinement was asked for"
+    )]
+    Landlock,
     #[error("cpus: boot_vcpus {0} must be from 1 to {MAX_VCPUS}")]
     BootVcpus(u8),
-    #[error("cpus: max_vcpus {max} is lower than boot_vcpus {boot}")]
-    MaxLowerThanBoot { boot: u8, max: u8 },
-    #[error("cpus: max_vcpus {max} > boot_vcpus {boot}: CPU hot-plug is not supported")]
-    CpuHotplug { boot: u8, max: u8 },
+    #[error("cpus: max_vcpus {max} must be from boot_vcpus ({boot}) to {MAX_VCPUS}")]
+    MaxVcpus { boot: u8, max: u8 },
     #[error("memory: size {size} must be a non-zero multiple of 4 KiB up to {max}")]
     MemorySize { size: u64, max: u64 },
     #[error("no kernel given (--kernel, payload.kernel)")]
@@ -85,9 +107,12 @@ pub enum ValidationError {
     },
     #[error("serial and console both on Tty: give --console off (or another serial mode)")]
     DoubleTty,
-    #[error("device id `{0}`: ids starting with `__` are reserved and ids must not be empty")]
+    #[error(
+        "device id `{}`: ids starting with `__` are reserved and ids must not be empty",
+        esc(.0)
+    )]
     InvalidId(String),
-    #[error("device id `{0}` is used twice")]
+    #[error("device id `{}` is used twice", esc(.0))]
     DuplicateId(String),
     #[error("pmem {id}: {path}: cannot open")]
     PmemOpen {
@@ -175,14 +200,21 @@ pub struct ValidatedPmem {
 
 type Result<T> = std::result::Result<T, ValidationError>;
 
+/// At most this many characters of a refused value go into the error.
+const MAX_SHOWN: usize = 200;
+
 fn unsupported(
     field: impl Into<String>,
     value: impl ToString,
     default: &'static str,
 ) -> Result<()> {
+    let mut value = esc(&value.to_string());
+    if value.chars().count() > MAX_SHOWN {
+        value = value.chars().take(MAX_SHOWN).collect::<String>() + "...";
+    }
     Err(ValidationError::Unsupported {
         field: field.into(),
-        value: value.to_string(),
+        value,
         default,
     })
 }
@@ -202,19 +234,90 @@ fn only_absent<T: std::fmt::Debug>(field: &str, v: &Option<T>) -> Result<()> {
 }
 
 /// Absent, `null` or an empty list.
-fn only_empty(field: &str, v: &Option<Value>) -> Result<()> {
+fn is_empty(v: &Option<Value>) -> bool {
     match v {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::Array(a)) if a.is_empty() => Ok(()),
-        Some(v) => unsupported(field, v, "absent or empty"),
+        None | Some(Value::Null) => true,
+        Some(Value::Array(a)) => a.is_empty(),
+        Some(_) => false,
     }
 }
 
+fn only_empty(field: &str, v: &Option<Value>) -> Result<()> {
+    match v {
+        v if is_empty(v) => Ok(()),
+        Some(v) => unsupported(field, v, "absent or empty"),
+        None => Ok(()),
+    }
+}
+
+fn only_empty_list<T>(field: &str, v: &Option<Vec<T>>) -> Result<()>
+where
+    T: std::fmt::Debug,
+{
+    match v {
+        Some(l) if !l.is_empty() => unsupported(field, format!("{l:?}"), "absent or empty"),
+        _ => Ok(()),
+    }
+}
+
+/// Devices (and device-like features) this VMM does not have: the field,
+/// its command-line option and what it is.
+const NO_DEVICE: &[(&str, &str, &str)] = &[
+    ("rate_limit_groups", "--rate-limit-group", "rate limiter"),
+    ("disks", "--disk", "virtio-block device"),
+    ("net", "--net", "virtio-net device"),
+    ("balloon", "--balloon", "virtio-balloon device"),
+    (
+        "generic_vhost_user",
+        "--generic-vhost-user",
+        "generic vhost-user device",
+    ),
+    ("fs", "--fs", "virtio-fs device"),
+    ("devices", "--device", "VFIO device assignment"),
+    ("user_devices", "--user-device", "vfio-user device"),
+    ("vdpa", "--vdpa", "vDPA device"),
+    ("vsock", "--vsock", "virtio-vsock device"),
+    ("pvmemcontrol", "--pvmemcontrol", "pvmemcontrol device"),
+    ("numa", "--numa", "NUMA support"),
+    ("rtc", "--rtc", "virtio-rtc device"),
+    ("tpm", "--tpm", "TPM device"),
+    ("ivshmem", "--ivshmem", "ivshmem device"),
+    ("landlock_rules", "--landlock-rules", "Landlock confinement"),
+    ("memory.zones", "--memory-zone", "memory zones"),
+];
+
+fn no_device(
+    (field, option, what): (&'static str, &'static str, &'static str),
+    v: &Option<Value>,
+) -> Result<()> {
+    if is_empty(v) {
+        return Ok(());
+    }
+    Err(ValidationError::NoDevice {
+        field,
+        option,
+        what,
+    })
+}
+
+/// The PCI fields every device has (`PciDeviceCommonConfig`): one segment,
+/// no IOMMU, no slot choice.
+fn check_pci(what: &str, iommu: bool, pci_segment: u16, pci_device_id: Option<u8>) -> Result<()> {
+    only_false(&format!("{what}.iommu"), iommu)?;
+    if pci_segment != 0 {
+        return unsupported(format!("{what}.pci_segment"), pci_segment, "0");
+    }
+    only_absent(&format!("{what}.pci_device_id"), &pci_device_id)
+}
+
 fn check_console(what: &'static str, c: &ConsoleConfig, virtio: bool) -> Result<()> {
-    only_false(&format!("{what}.iommu"), c.iommu)?;
+    if virtio {
+        // upstream's serial port has no PCI fields (ignored there).
+        check_pci(what, c.iommu, c.pci_segment, c.pci_device_id)?;
+    }
     only_absent(&format!("{what}.socket"), &c.socket)?;
     let supported = match c.mode {
-        ConsoleOutputMode::Pty => false,
+        ConsoleOutputMode::Pty | ConsoleOutputMode::Socket => false,
         ConsoleOutputMode::File => !virtio,
         _ => true,
     };
@@ -299,71 +402,69 @@ impl VmConfig {
     }
 
     fn check_unsupported(&self) -> Result<()> {
-        let c = &self.cpus;
-        only_absent("cpus.topology", &c.topology)?;
-        only_false("cpus.kvm_hyperv", c.kvm_hyperv)?;
-        if c.max_phys_bits != DEFAULT_MAX_PHYS_BITS {
-            return unsupported("cpus.max_phys_bits", c.max_phys_bits, "46");
+        if self.landlock_enable {
+            return Err(ValidationError::Landlock);
         }
-        only_empty("cpus.affinity", &c.affinity)?;
-        only_false("cpus.features.amx", c.features.amx)?;
+        let devices: [&Option<Value>; 17] = [
+            &self.rate_limit_groups,
+            &self.disks,
+            &self.net,
+            &self.balloon,
+            &self.generic_vhost_user,
+            &self.fs,
+            &self.devices,
+            &self.user_devices,
+            &self.vdpa,
+            &self.vsock,
+            &self.pvmemcontrol,
+            &self.numa,
+            &self.rtc,
+            &self.tpm,
+            &self.ivshmem,
+            &self.landlock_rules,
+            &self.memory.zones,
+        ];
+        for (entry, v) in NO_DEVICE.iter().zip(devices) {
+            no_device(*entry, v)?;
+        }
+        self.check_cpus_unsupported()?;
         let m = &self.memory;
         only_false("memory.mergeable", m.mergeable)?;
-        if m.hotplug_method != "Acpi" {
-            return unsupported("memory.hotplug_method", &m.hotplug_method, "Acpi");
+        if m.hotplug_size.is_some_and(|s| s != 0) {
+            return unsupported(
+                "memory.hotplug_size",
+                m.hotplug_size.unwrap_or_default(),
+                "absent (no memory hot-plug)",
+            );
         }
-        only_absent("memory.hotplug_size", &m.hotplug_size)?;
-        only_absent("memory.hotplugged_size", &m.hotplugged_size)?;
+        if m.hotplugged_size.is_some_and(|s| s != 0) {
+            return unsupported(
+                "memory.hotplugged_size",
+                m.hotplugged_size.unwrap_or_default(),
+                "absent (no memory hot-plug)",
+            );
+        }
         only_false("memory.shared", m.shared)?;
         only_false("memory.hugepages", m.hugepages)?;
         only_absent("memory.hugepage_size", &m.hugepage_size)?;
         only_false("memory.prefault", m.prefault)?;
-        only_empty("memory.zones", &m.zones)?;
-        if !m.thp {
-            return unsupported("memory.thp", false, "true");
-        }
+        only_false("memory.reserve", m.reserve)?;
         if let Some(p) = &self.payload {
             only_absent("payload.firmware", &p.firmware)?;
-            only_absent("payload.igvm", &p.igvm)?;
-            only_absent("payload.host_data", &p.host_data)?;
+            only_empty("payload.igvm", &p.igvm)?;
+            only_empty("payload.host_data", &p.host_data)?;
+            only_empty("payload.fw_cfg_config", &p.fw_cfg_config)?;
         }
-        for (name, v) in [
-            ("rate_limit_groups", &self.rate_limit_groups),
-            ("disks", &self.disks),
-            ("net", &self.net),
-            ("fs", &self.fs),
-            ("devices", &self.devices),
-            ("user_devices", &self.user_devices),
-            ("vdpa", &self.vdpa),
-            ("sgx_epc", &self.sgx_epc),
-            ("numa", &self.numa),
-            ("pci_segments", &self.pci_segments),
-            ("landlock_rules", &self.landlock_rules),
-        ] {
-            only_empty(name, v)?;
+        let r = &self.rng;
+        check_pci("rng", r.iommu, r.pci_segment, r.pci_device_id)?;
+        if r.src != super::RngConfig::default().src {
+            return unsupported("rng.src", r.src.display(), "/dev/urandom");
         }
-        for (name, v) in [
-            ("balloon", &self.balloon),
-            ("vsock", &self.vsock),
-            ("platform", &self.platform),
-            ("tpm", &self.tpm),
-        ] {
-            if !matches!(v, None | Some(Value::Null)) {
-                only_absent(name, v)?;
-            }
-        }
-        match &self.debug_console {
-            None | Some(Value::Null) => {}
-            Some(Value::Object(o))
-                if o.get("mode") == Some(&Value::String("Off".into()))
-                    && o.get("file").is_none_or(Value::is_null) => {}
-            Some(v) => return unsupported("debug_console", v, "absent or mode Off"),
-        }
-        if self.rng != super::RngConfig::default() {
+        if self.debug_console.mode != ConsoleOutputMode::Off {
             return unsupported(
-                "rng",
-                format!("{:?}", self.rng),
-                "src /dev/urandom, no iommu",
+                "debug_console.mode",
+                format!("{:?}", self.debug_console.mode),
+                "Off (there is no debug port)",
             );
         }
         for (name, v) in [
@@ -371,15 +472,80 @@ impl VmConfig {
             ("iommu", self.iommu),
             ("watchdog", self.watchdog),
             ("gdb", self.gdb),
-            ("landlock_enable", self.landlock_enable),
         ] {
             only_false(name, v)?;
         }
-        for (i, p) in self.pmem().iter().enumerate() {
-            only_false(&format!("pmem[{i}].iommu"), p.iommu)?;
-            if p.pci_segment != 0 {
-                return unsupported(format!("pmem[{i}].pci_segment"), p.pci_segment, "0");
+        for (i, s) in self.pci_segments.iter().flatten().enumerate() {
+            if s.pci_segment != 0 {
+                return unsupported(
+                    format!("pci_segments[{i}].pci_segment"),
+                    s.pci_segment,
+                    "0 (the only PCI segment)",
+                );
             }
+        }
+        if let Some(p) = &self.platform {
+            if p.num_pci_segments != 1 {
+                return unsupported("platform.num_pci_segments", p.num_pci_segments, "1");
+            }
+            only_empty_list("platform.iommu_segments", &p.iommu_segments)?;
+            for (field, v) in [
+                ("platform.system_serial_number", &p.system_serial_number),
+                ("platform.system_uuid", &p.system_uuid),
+                ("platform.system_manufacturer", &p.system_manufacturer),
+                ("platform.system_product_name", &p.system_product_name),
+                ("platform.system_version", &p.system_version),
+                ("platform.system_family", &p.system_family),
+                ("platform.system_sku_number", &p.system_sku_number),
+                ("platform.chassis_asset_tag", &p.chassis_asset_tag),
+            ] {
+                only_absent(field, v)?;
+            }
+            only_empty_list("platform.oem_strings", &p.oem_strings)?;
+            only_false("platform.tdx", p.tdx)?;
+            only_false("platform.sev_snp", p.sev_snp)?;
+            only_false("platform.iommufd", p.iommufd)?;
+            only_absent("platform.iommufd_fd", &p.iommufd_fd)?;
+        }
+        for (i, p) in self.pmem().iter().enumerate() {
+            check_pci(
+                &format!("pmem[{i}]"),
+                p.iommu,
+                p.pci_segment,
+                p.pci_device_id,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn check_cpus_unsupported(&self) -> Result<()> {
+        let c = &self.cpus;
+        if let Some(t) = &c.topology {
+            let flat = t.threads_per_core == 1
+                && t.dies_per_package == 1
+                && t.packages == 1
+                && t.cores_per_die == u16::from(c.boot_vcpus)
+                && c.max_vcpus == c.boot_vcpus;
+            if !flat {
+                return unsupported(
+                    "cpus.topology",
+                    format!("{t:?}"),
+                    "absent, or 1 thread per core, boot_vcpus cores per die, 1 die, 1 \
+                     package (with max_vcpus = boot_vcpus)",
+                );
+            }
+        }
+        only_false("cpus.kvm_hyperv", c.kvm_hyperv)?;
+        if c.max_phys_bits != DEFAULT_MAX_PHYS_BITS {
+            return unsupported("cpus.max_phys_bits", c.max_phys_bits, "46");
+        }
+        only_empty_list("cpus.affinity", &c.affinity)?;
+        only_false("cpus.features.amx", c.features.amx)?;
+        if !c.nested {
+            return unsupported("cpus.nested", false, "true");
+        }
+        if c.core_scheduling == CoreScheduling::Vcpu {
+            return unsupported("cpus.core_scheduling", "Vcpu", "Vm (also Off)");
         }
         Ok(())
     }
@@ -389,11 +555,8 @@ impl VmConfig {
         if boot == 0 || boot > MAX_VCPUS {
             return Err(ValidationError::BootVcpus(boot));
         }
-        if max < boot {
-            return Err(ValidationError::MaxLowerThanBoot { boot, max });
-        }
-        if max > boot {
-            return Err(ValidationError::CpuHotplug { boot, max });
+        if max < boot || max > MAX_VCPUS {
+            return Err(ValidationError::MaxVcpus { boot, max });
         }
         let size = self.memory.size;
         let limit = crate::vm::MAX_RAM;
@@ -423,7 +586,9 @@ impl VmConfig {
     /// The pmem ids, given or assigned, in config order.
     fn pmem_ids(&self) -> Result<Vec<String>> {
         let mut used = BTreeSet::new();
-        for id in self.pmem().iter().filter_map(|p| p.id.as_ref()) {
+        let others = [self.console.id.as_ref(), self.rng.id.as_ref()];
+        let given = self.pmem().iter().filter_map(|p| p.id.as_ref());
+        for id in others.into_iter().flatten().chain(given) {
             if id.is_empty() || id.starts_with("__") {
                 return Err(ValidationError::InvalidId(id.clone()));
             }

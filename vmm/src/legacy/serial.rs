@@ -148,7 +148,9 @@ impl SerialOutput {
                 let path = cfg.file.as_deref().ok_or(SerialError::MissingFile)?;
                 SerialOutput::file(path).map(Some)
             }
-            mode @ ConsoleOutputMode::Pty => Err(SerialError::Unsupported(mode)),
+            mode @ (ConsoleOutputMode::Pty | ConsoleOutputMode::Socket) => {
+                Err(SerialError::Unsupported(mode))
+            }
         }
     }
 }
