@@ -10,7 +10,7 @@
 //! implemented, a failed vCPU, a failed final barrier.
 
 use std::io::IsTerminal;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use vmm::api::{self, http::HttpServer};
 use vmm::config::cli::{self, Action, ApiSocket, CommandLine};
+use vmm::config::options::{EventMonitor, Seccomp};
 use vmm::config::ConsoleOutputMode;
 use vmm::control::{self, Inputs};
 use vmm::vmm::{Vmm, VmmExit};
@@ -90,6 +91,46 @@ impl std::fmt::Display for CliExit {
 
 impl std::error::Error for CliExit {}
 
+/// The logger (standard error, or `--log-file`), the event monitor
+/// (`--event-monitor`), and the truth about `--seccomp`.
+fn start_outputs(cl: &CommandLine) -> Result<()> {
+    let mut logger = env_logger::Builder::new();
+    logger
+        .filter_level(cli::log_level(cl.verbosity))
+        .format_timestamp_millis();
+    if let Some(path) = &cl.log_file {
+        let file = std::fs::File::create(path)
+            .with_context(|| format!("--log-file {}", path.display()))?;
+        logger.target(env_logger::Target::Pipe(Box::new(file)));
+    }
+    logger.init();
+    if let Some(monitor) = &cl.event_monitor {
+        let file = match monitor {
+            EventMonitor::Path(path) => std::fs::File::create(path)
+                .with_context(|| format!("--event-monitor path={}", path.display()))?,
+            EventMonitor::Fd(fd) => {
+                // SAFETY: F_GETFD only asks whether `fd` is open.
+                if unsafe { libc::fcntl(*fd, libc::F_GETFD) } < 0 {
+                    bail!("--event-monitor fd={fd}: not an open file descriptor");
+                }
+                // SAFETY: `fd` is open (checked above) and the command line
+                // hands it to the event monitor alone.
+                unsafe { std::fs::File::from_raw_fd(*fd) }
+            }
+        };
+        vmm::event_monitor::start(file).context("--event-monitor")?;
+    }
+    if cl.seccomp != Seccomp::False {
+        // Info, not a warning on every start: upstream's default is `true`.
+        log::info!(
+            "--seccomp {:?}: this VMM installs no seccomp filter yet; its threads run unfiltered",
+            cl.seccomp
+        );
+    }
+    vmm::event_monitor::event("vmm", "starting", &[]);
+    Ok(())
+}
+
 fn run() -> Result<()> {
     let cl = CommandLine::parse(
         std::env::args_os()
@@ -109,10 +150,7 @@ fn run() -> Result<()> {
         Action::Run => {}
     }
     cl.check_supported().map_err(CliExit)?;
-    env_logger::Builder::new()
-        .filter_level(cli::log_level(cl.verbosity))
-        .format_timestamp_millis()
-        .init();
+    start_outputs(&cl)?;
     if cl.vm.is_none() && cl.api_socket.is_none() {
         bail!("nothing to run: give --kernel, or --api-socket to create a VM through the API");
     }
