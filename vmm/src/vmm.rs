@@ -18,6 +18,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -26,6 +27,7 @@ use crate::api::{
     ApiError, ApiReceiver, ApiRequest, ApiResult, PmemOverlay, PmemRollback, PmemSnapshot,
     PmemSnapshotDelete, RequestHandler,
 };
+use crate::chardev::{ChardevError, Chardevs};
 use crate::config::{PmemConfig, ValidationError, VmConfig};
 use crate::control::{self, Inputs, Outcome};
 use crate::machine::{Machine, MachineError, Pmem};
@@ -59,6 +61,9 @@ struct Vm {
     state: VmState,
     machine: Option<Machine>,
     boots: u64,
+    /// The serial port's and console's backends, opened at the first boot
+    /// and kept across reboots (a pty keeps its path).
+    chardevs: Option<Arc<Chardevs>>,
 }
 
 /// Why the VMM ended.
@@ -99,8 +104,17 @@ fn build_status(e: &MachineError) -> u16 {
         MachineError::NoKernel | MachineError::PcowDiscardWrites { .. } => 400,
         MachineError::Boot(b) if b.is_config_error() => 400,
         MachineError::Serial(SerialError::Interrupt(_)) => 500,
-        MachineError::Serial(_) => 400,
+        MachineError::Serial(_) | MachineError::Rng(_) => 400,
         _ => 500,
+    }
+}
+
+/// The status a backend that cannot be opened answers with: 400 for what
+/// the config names (a file, a socket path), 500 for the host's own.
+fn chardev_status(e: &ChardevError) -> u16 {
+    match e {
+        ChardevError::Pty { .. } | ChardevError::Stdout { .. } | ChardevError::Thread(_) => 500,
+        _ => 400,
     }
 }
 
@@ -162,6 +176,7 @@ impl Vmm {
             state: VmState::Created,
             machine: None,
             boots: 0,
+            chardevs: None,
         });
         Ok(None)
     }
@@ -177,7 +192,16 @@ impl Vmm {
             .config
             .validate()
             .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
-        let mut m = Machine::build(&vm.config, &pmem)
+        let chardevs = match &vm.chardevs {
+            Some(c) => c.clone(),
+            None => {
+                let c = Chardevs::open(&mut vm.config).map_err(|e| {
+                    ApiError::with_source(chardev_status(&e), "building the VM", &e)
+                })?;
+                vm.chardevs.insert(Arc::new(c)).clone()
+            }
+        };
+        let mut m = Machine::build(&vm.config, &pmem, &chardevs)
             .map_err(|e| ApiError::with_source(build_status(&e), "building the VM", &e))?;
         m.start()
             .map_err(|e| ApiError::with_source(500, "starting the vCPUs", &e))?;

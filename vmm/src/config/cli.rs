@@ -6,7 +6,7 @@
 //! values in a row (`--pmem file=a file=b`); `-v` counts (`-v -v`, `-vv`).
 //! Every other option may be given once.
 
-use super::vm_config::{ConsoleConfig, CpusConfig, MemoryConfig, PmemConfig, VmConfig};
+use super::vm_config::{ConsoleConfig, CpusConfig, MemoryConfig, PmemConfig, RngConfig, VmConfig};
 use super::{OptionError, OptionParser, ParseError};
 
 /// Where the API socket is: `--api-socket path=PATH`, `fd=FD`, or a bare
@@ -146,7 +146,12 @@ const OPTIONS: &[Opt] = &[
     Opt {
         name: "console",
         syntax: ConsoleConfig::CONSOLE_SYNTAX,
-        help: "virtio console (default tty; none is created yet)",
+        help: "virtio console, hvc0 in a Linux guest (default tty)",
+    },
+    Opt {
+        name: "rng",
+        syntax: RngConfig::SYNTAX,
+        help: "virtio-rng entropy source (default src=/dev/urandom)",
     },
     Opt {
         name: "api-socket",
@@ -291,6 +296,7 @@ impl CommandLine {
                     .push(PmemConfig::parse(v)?),
                 "serial" => vm.serial = ConsoleConfig::parse_serial(v)?,
                 "console" => vm.console = ConsoleConfig::parse_console(v)?,
+                "rng" => vm.rng = RngConfig::parse(v)?,
                 "api-socket" => {
                     cl.api_socket = Some(ApiSocket::parse(v)?);
                     continue;
