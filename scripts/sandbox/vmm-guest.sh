@@ -12,6 +12,7 @@
 #                      s10fill s10verify (+ l2.n=BYTES) |
 #                      s11loop (+ l2.tag=ITERATION l2.list=K:N,...) s11verify (+ l2.list) |
 #                      s12prep s12track s12verify (+ l2.n=BYTES) |
+#                      s14dev (no pmem: /dev/hwrng, PCI ids, a shell on hvc0) |
 #                      bench (nothing: vmm-bench.sh)
 # Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
 # SYNCED n (s5loop, s7loop, s9loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
@@ -439,6 +440,29 @@ case $scenario in
         s12_expected /tmp/c.bin
         cmp -s /tmp/c.bin $M/t.bin || fail "t.bin lost or wrong on the next boot"
         ok "t.bin intact ($n bytes)"
+        ;;
+    s14dev)
+        cur=$(cat /sys/class/misc/hw_random/rng_current 2>/dev/null)
+        case $cur in virtio_rng*) ;; *) fail "hw_random rng_current is '$cur', not virtio_rng" ;; esac
+        dd if=/dev/hwrng of=/tmp/r1 bs=512 count=1 2>/dev/null || fail "reading /dev/hwrng"
+        dd if=/dev/hwrng of=/tmp/r2 bs=512 count=1 2>/dev/null || fail "reading /dev/hwrng again"
+        [ "$(wc -c </tmp/r1)" -eq 512 ] && [ "$(wc -c </tmp/r2)" -eq 512 ] || fail "short reads from /dev/hwrng"
+        [ "$(tr -d '\000' </tmp/r1 | wc -c)" -gt 0 ] || fail "/dev/hwrng gave zeros"
+        ! cmp -s /tmp/r1 /tmp/r2 || fail "two reads of /dev/hwrng gave the same bytes"
+        echo "GUEST-RNG source=$cur bytes=1024 sha=$(sha256sum </tmp/r1 | cut -c1-16)"
+        for d in /sys/bus/pci/devices/*; do
+            echo "GUEST-PCI $(basename $d) $(cat $d/vendor):$(cat $d/device)"
+        done
+        i=0
+        while [ ! -c /dev/hvc0 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+        [ -c /dev/hvc0 ] || fail "no /dev/hvc0 (virtio_console)"
+        grep -q '^hvc0' /proc/consoles || fail "hvc0 is not a kernel console (console=hvc0): $(cat /proc/consoles | tr '\n' ';')"
+        setsid sh -c 'exec sh </dev/hvc0 >/dev/hvc0 2>&1' &
+        echo "GUEST-HVC-SHELL pid=$!"
+        i=0
+        while [ ! -f /tmp/hvc-done ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+        [ -f /tmp/hvc-done ] || fail "the shell on hvc0 ran nothing within 60 s"
+        ok "/dev/hwrng gave bytes; the shell on hvc0 ran L1's line"
         ;;
     bench) ;;
     *)
