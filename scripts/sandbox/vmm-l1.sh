@@ -1075,7 +1075,7 @@ sc14() {
     sent=0
     while alive $pid; do
         sleep 0.2
-        if [ -n "$pty" ] && grep -q GUEST-HVC-SHELL $L/s14-dev.log && ! grep -q HVC-ECHO-42 $L/s14-hvc.txt; then
+        if [ -n "$pty" ] && grep -q GUEST-HVC-SHELL $L/s14-dev.log && ! grep -q HVC-ECHO-42 $L/s14-hvc.txt 2>/dev/null; then
             # Sent again every 5 s until answered (the shell may not read yet).
             if [ $((sent % 25)) -eq 0 ]; then
                 printf 'echo HVC-ECHO-$((6*7)); echo ran >/tmp/hvc-done\n' >"$pty"
@@ -1093,7 +1093,8 @@ sc14() {
     [ -z "$cpid" ] || { kill $cpid 2>/dev/null; wait $cpid 2>/dev/null; }
     echo "VMMSC-BOOT s14-dev exit=$vrc time=$(since "$t")s$to"
     tr -d '\r' <$L/s14-dev.log | sed "s/^/  L2[s14-dev]| /"
-    tr -d '\r' <$L/s14-hvc.txt 2>/dev/null | sed "s/^/  HVC[s14-dev]| /" | tail -n 20
+    # (The shell's prompt ends without a newline: add one.)
+    { tr -d '\r' <$L/s14-hvc.txt 2>/dev/null; echo; } | sed "s/^/  HVC[s14-dev]| /" | tail -n 20
     [ -n "$pty" ] || { why="the VMM's log names no pseudo-terminal for the console"; return 1; }
     booted_ok s14-dev || return 1
     grep -q 'HVC-ECHO-42' $L/s14-hvc.txt || { why="no HVC-ECHO-42 from the shell on hvc0 through $pty"; return 1; }

@@ -638,13 +638,13 @@ echo
 for k in $SCENARIOS; do
     log=${LOGOF[$k]:-/dev/null}
     rc=${RCOF[$k]:-1}
-    line=$(grep -a "VMMSC-RESULT $k " "$log" | tail -n1 | tr -d '\r' || true)
+    line=$(grep -a "^VMMSC-RESULT $k " "$log" | tail -n1 | tr -d '\r' || true)
     verdict=$(awk '{ print $3 }' <<<"$line")
     reason=$(sed 's/.*VMMSC-RESULT [0-9]* [A-Z]* //' <<<"$line")
     if [ -z "$line" ]; then
         verdict=FAIL
         if [ "$rc" -eq 124 ]; then
-            if grep -aq "VMMSC-START $k " "$log"; then
+            if grep -aq "^VMMSC-START $k " "$log"; then
                 reason="timeout: group ${GROUP[$k]}'s L1 run was cut at ${TOOF[$k]:-?}s while this scenario ran"
             else
                 reason="timeout: group ${GROUP[$k]}'s L1 run was cut at ${TOOF[$k]:-?}s before this scenario started"
@@ -683,7 +683,7 @@ for g in $GROUPS_ORDER; do
     k1=${gs%% *}
     times=
     for k in $gs; do
-        times="$times $k=$(grep -a "VMMSC-RESULT $k " "${LOGOF[$k]:-/dev/null}" | sed -n 's/.*VMMSC-RESULT [0-9]* [A-Z]* \([0-9.]*\)s.*/\1/p' | tail -n1)s"
+        times="$times $k=$(grep -a "^VMMSC-RESULT $k " "${LOGOF[$k]:-/dev/null}" | sed -n 's/.*VMMSC-RESULT [0-9]* [A-Z]* \([0-9.]*\)s.*/\1/p' | tail -n1)s"
     done
     say "group $g: L1 run ${WALLOF[$k1]:--}s of ${TOOF[$k1]:--}s (exit ${RCOF[$k1]:--}); scenario times in L1:$times"
 done

@@ -185,22 +185,23 @@ impl Output {
     }
 
     /// Waits until the buffer is empty (or `timeout`); whether it is.
+    /// Returns at once when there is no target to drain into.
     pub fn drain(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        let mut st = lock(&self.shared.state);
-        while !st.buf.is_empty() {
+        loop {
+            // Never wait for the target's lock: the writer holds it while
+            // a write blocks (a full pipe).
+            let detached = matches!(self.shared.target.try_lock().as_deref(), Ok(None));
+            let st = lock(&self.shared.state);
+            if st.buf.is_empty() {
+                return true;
+            }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() || lock(&self.shared.target).is_none() {
+            if detached || left.is_zero() {
                 return false;
             }
-            st = self
-                .shared
-                .drained
-                .wait_timeout(st, left.min(RETRY))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            let _ = self.shared.drained.wait_timeout(st, left.min(RETRY));
         }
-        true
     }
 
     /// A [`Write`] handle that pushes into this output (never fails).
@@ -211,12 +212,17 @@ impl Output {
 
 impl Drop for Output {
     fn drop(&mut self) {
+        let t0 = Instant::now();
         self.drain(DRAIN_ON_DROP);
         lock(&self.shared.state).stop = true;
         self.shared.more.notify_all();
         if let Some(t) = self.thread.take() {
-            // A writer stuck in a blocking write (a full pipe) is left
-            // behind rather than blocking the VMM; it ends with the process.
+            // Let the chunk in flight reach the target; a writer stuck in a
+            // blocking write (a full pipe) is left behind rather than
+            // blocking the VMM, and ends with the process.
+            while !t.is_finished() && t0.elapsed() < DRAIN_ON_DROP + RETRY * 5 {
+                std::thread::sleep(RETRY / 4);
+            }
             if t.is_finished() {
                 let _ = t.join();
             }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::chardev::{Output, OUTPUT_BUFFER};
 use vmm::pci::console::{ConsoleDevice, ConsoleInput, INPUT_BUFFER, MAX_CHAIN};
@@ -29,7 +29,10 @@ fn mem() -> GuestMemoryMmap {
 }
 
 /// Lays out `chains` in one descriptor table (each head in the avail ring).
-fn queue(mem: &GuestMemoryMmap, chains: &[Vec<D>]) -> (MockSplitQueue<'_, GuestMemoryMmap>, Queue) {
+fn queue<'a>(
+    mem: &'a GuestMemoryMmap,
+    chains: &[Vec<D>],
+) -> (MockSplitQueue<'a, GuestMemoryMmap>, Queue) {
     let vq = MockSplitQueue::new(mem, 64);
     let mut offset = 0u16;
     for chain in chains {
@@ -42,7 +45,9 @@ fn queue(mem: &GuestMemoryMmap, chains: &[Vec<D>]) -> (MockSplitQueue<'_, GuestM
                 None => (N, offset + i as u16 + 1),
             };
             let flags = if write { W } else { 0 } | f;
-            raw.push(RawDescriptor::from(SplitDescriptor::new(addr, len, flags, n)));
+            raw.push(RawDescriptor::from(SplitDescriptor::new(
+                addr, len, flags, n,
+            )));
         }
         vq.add_desc_chains(&raw[..1], offset).unwrap();
         for (i, d) in raw.iter().enumerate().skip(1) {
@@ -84,7 +89,10 @@ fn rng_fills_device_writable_buffers_from_the_source() {
         &m,
         &[
             vec![(BUF, 64, true, None)],
-            vec![(BUF + 0x1000, 100, true, None), (BUF + 0x2000, 36, true, None)],
+            vec![
+                (BUF + 0x1000, 100, true, None),
+                (BUF + 0x2000, 36, true, None),
+            ],
         ],
     );
     assert!(rng.process(&m, &mut q).unwrap());
@@ -107,7 +115,10 @@ fn rng_answers_short_at_the_end_of_a_file_source() {
     let src = source(&pattern(10));
     let mut rng = RngDevice::open(src.path()).unwrap();
     let m = mem();
-    let (vq, mut q) = queue(&m, &[vec![(BUF, 64, true, None)], vec![(BUF, 64, true, None)]]);
+    let (vq, mut q) = queue(
+        &m,
+        &[vec![(BUF, 64, true, None)], vec![(BUF, 64, true, None)]],
+    );
     rng.process(&m, &mut q).unwrap();
     assert_eq!(used(&vq), [(0, 10), (1, 0)]);
     assert_eq!(rng.stats().source_short, 2);
