@@ -1,5 +1,5 @@
 //! Arbitrary text as command-line option values (every option with a
-//! `key=value` syntax, `--log-format`, `--api-socket`), as a whole command
+//! `key=value` syntax, `--rng` included, `--log-format`, `--api-socket`), as a whole command
 //! line, and as a `vm.create` body: a value or a one-line error naming the
 //! option, never a panic; a JSON config that parses serializes and parses
 //! back to itself, and validation never panics on it.
@@ -12,7 +12,7 @@ use vmm::config::options::{
 };
 use vmm::config::{
     ConsoleConfig, CpusConfig, DebugConsoleConfig, MemoryConfig, PciSegmentConfig,
-    PlatformConfig, PmemConfig, VmConfig,
+    PlatformConfig, PmemConfig, RngConfig, VmConfig,
 };
 
 fuzz_target!(|data: &[u8]| {
@@ -49,8 +49,17 @@ fuzz_target!(|data: &[u8]| {
     for d in DEVICE_OPTIONS {
         check!(d.parse(s));
     }
-    let _ = ConsoleConfig::parse_serial(s);
-    let _ = ConsoleConfig::parse_console(s);
+    for r in [
+        ConsoleConfig::parse_serial(s),
+        ConsoleConfig::parse_console(s),
+    ] {
+        if let Err(e) = r {
+            one_line(&e);
+        }
+    }
+    if let Err(e) = RngConfig::parse(s) {
+        one_line(&e);
+    }
     let _ = ApiSocket::parse(s);
     let args: Vec<&str> = s.split(' ').collect();
     check!(CommandLine::parse(args));

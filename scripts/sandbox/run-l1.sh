@@ -20,7 +20,10 @@
 #   SANDBOX_OUT=DIR  bring files back: whatever the payload writes under /out
 #                    in L1 is extracted into DIR here afterwards (a tar stream
 #                    through a virtio-blk disk; SANDBOX_OUT_SIZE, default 2G
-#                    sparse, bounds it)
+#                    sparse, bounds it); a payload may also stream tar
+#                    segments to /dev/vda from 16 MiB on while it runs, each
+#                    announced by "SANDBOX-OUT-SEGMENT mib=N" once synced:
+#                    those are extracted too, even after a timeout
 #
 # Exit status: the payload's (from "SANDBOX-RESULT rc=N"); 124 on timeout;
 # 125 if L1 had no /dev/kvm; 1 if L1 ended without a result marker.
@@ -117,6 +120,19 @@ qrc=${PIPESTATUS[0]}
 set -e
 total=$(elapsed "$t0")
 
+# Segments the payload streamed while it ran ("SANDBOX-OUT-SEGMENT mib=N":
+# a tar at N MiB on the out disk, written and synced before the marker):
+# extracted even when L1 was cut by the timeout, so what a payload finished
+# before a timeout is not lost with it.
+if [ -n "${SANDBOX_OUT:-}" ]; then
+    nseg=0
+    for mib in $(sed -n 's/.*SANDBOX-OUT-SEGMENT mib=\([0-9]*\).*/\1/p' "$log"); do
+        dd if="$work/out.img" bs=1M skip="$mib" 2>/dev/null | tar -xf - -C "$SANDBOX_OUT" 2>/dev/null \
+            || say "warning: the /out segment at $mib MiB could not be extracted"
+        nseg=$((nseg + 1))
+    done
+    [ "$nseg" -eq 0 ] || say "$nseg /out segment(s) extracted into $SANDBOX_OUT"
+fi
 result=$(sed -n 's/.*SANDBOX-RESULT rc=\([0-9]*\).*/\1/p' "$log" | tail -n1)
 kvm_wall=$(cat "$work/kvm_t" 2>/dev/null || echo "-")
 kvm_up=$(sed -n 's/.*SANDBOX-KVM-READY uptime=\([0-9.]*\).*/\1/p' "$log" | head -n1)

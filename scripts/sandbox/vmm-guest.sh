@@ -12,7 +12,8 @@
 #                      s10fill s10verify (+ l2.n=BYTES) |
 #                      s11loop (+ l2.tag=ITERATION l2.list=K:N,...) s11verify (+ l2.list) |
 #                      s12prep s12track s12verify (+ l2.n=BYTES) |
-#                      s14button |
+#                      s14dev (no pmem: /dev/hwrng, PCI ids, a shell on hvc0) |
+#                      s15button |
 #                      bench (nothing: vmm-bench.sh)
 # Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
 # SYNCED n (s5loop, s7loop, s9loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
@@ -443,7 +444,30 @@ case $scenario in
         cmp -s /tmp/c.bin $M/t.bin || fail "t.bin lost or wrong on the next boot"
         ok "t.bin intact ($n bytes)"
         ;;
-    s14button)
+    s14dev)
+        cur=$(cat /sys/class/misc/hw_random/rng_current 2>/dev/null)
+        case $cur in virtio_rng*) ;; *) fail "hw_random rng_current is '$cur', not virtio_rng" ;; esac
+        dd if=/dev/hwrng of=/tmp/r1 bs=512 count=1 2>/dev/null || fail "reading /dev/hwrng"
+        dd if=/dev/hwrng of=/tmp/r2 bs=512 count=1 2>/dev/null || fail "reading /dev/hwrng again"
+        [ "$(wc -c </tmp/r1)" -eq 512 ] && [ "$(wc -c </tmp/r2)" -eq 512 ] || fail "short reads from /dev/hwrng"
+        [ "$(tr -d '\000' </tmp/r1 | wc -c)" -gt 0 ] || fail "/dev/hwrng gave zeros"
+        ! cmp -s /tmp/r1 /tmp/r2 || fail "two reads of /dev/hwrng gave the same bytes"
+        echo "GUEST-RNG source=$cur bytes=1024 sha=$(sha256sum </tmp/r1 | cut -c1-16)"
+        for d in /sys/bus/pci/devices/*; do
+            echo "GUEST-PCI $(basename $d) $(cat $d/vendor):$(cat $d/device)"
+        done
+        i=0
+        while [ ! -c /dev/hvc0 ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+        [ -c /dev/hvc0 ] || fail "no /dev/hvc0 (virtio_console)"
+        grep -q '^hvc0' /proc/consoles || fail "hvc0 is not a kernel console (console=hvc0): $(cat /proc/consoles | tr '\n' ';')"
+        setsid sh -c 'exec sh </dev/hvc0 >/dev/hvc0 2>&1' &
+        echo "GUEST-HVC-SHELL pid=$!"
+        i=0
+        while [ ! -f /tmp/hvc-done ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+        [ -f /tmp/hvc-done ] || fail "the shell on hvc0 ran nothing within 60 s"
+        ok "/dev/hwrng gave bytes; the shell on hvc0 ran L1's line"
+        ;;
+    s15button)
         # The ACPI power button: the kernel's button driver (PNP0C0C, notified
         # by the VMM's Generic Event Device) reports KEY_POWER on an input
         # device; busybox acpid runs /etc/acpi/PWRF/00000080 for it, which
@@ -455,7 +479,7 @@ case $scenario in
         # report would mean a wrong port 0x61: still an NMI, but vmm-l1.sh's
         # verdict wants the unknown-reason one).
         need_dax
-        gen "s14 before the button" 40000 >$M/s14-before.txt
+        gen "s15 before the button" 40000 >$M/s15-before.txt
         sync
         ev=
         for d in /sys/class/input/event*; do
@@ -463,22 +487,22 @@ case $scenario in
         done
         [ -n "$ev" ] || fail "no 'Power Button' input device (input: $(cat /sys/class/input/*/name 2>/dev/null | tr '\n' ','); ACPI: $(ls /sys/bus/acpi/devices 2>/dev/null | tr '\n' ' '))"
         mkdir -p /etc/acpi/PWRF
-        printf '#!/bin/sh\ntouch /tmp/s14-pressed\n' >/etc/acpi/PWRF/00000080
+        printf '#!/bin/sh\ntouch /tmp/s15-pressed\n' >/etc/acpi/PWRF/00000080
         chmod 755 /etc/acpi/PWRF/00000080
         acpid -d -c /etc/acpi -p /tmp/acpid.pid >/tmp/acpid.log 2>&1 &
-        echo "GUEST-S14-NMI-WAIT button=$ev"
+        echo "GUEST-S15-NMI-WAIT button=$ev"
         i=0
         nmi_re='NMI received for unknown reason|NMI: PCI system error|NMI: IOCK error'
         while ! dmesg | grep -qE "$nmi_re" && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
         nmi=$(dmesg | grep -E "$nmi_re" | head -n1)
-        [ -n "$nmi" ] || fail "no NMI report in the kernel log 60 s after GUEST-S14-NMI-WAIT"
-        echo "GUEST-S14-NMI $nmi"
-        echo "GUEST-S14-WAITING"
+        [ -n "$nmi" ] || fail "no NMI report in the kernel log 60 s after GUEST-S15-NMI-WAIT"
+        echo "GUEST-S15-NMI $nmi"
+        echo "GUEST-S15-WAITING"
         i=0
-        while [ ! -f /tmp/s14-pressed ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
-        [ -f /tmp/s14-pressed ] || fail "the power button handler did not run 60 s after GUEST-S14-WAITING (acpid: $(tr '\n' ' ' </tmp/acpid.log | cut -c1-200))"
-        echo "GUEST-S14-PRESSED"
-        gen "s14 after the button" 30000 >$M/s14-after.txt
+        while [ ! -f /tmp/s15-pressed ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
+        [ -f /tmp/s15-pressed ] || fail "the power button handler did not run 60 s after GUEST-S15-WAITING (acpid: $(tr '\n' ' ' </tmp/acpid.log | cut -c1-200))"
+        echo "GUEST-S15-PRESSED"
+        gen "s15 after the button" 30000 >$M/s15-after.txt
         ok "power button pressed ($(tr '\n' ' ' </tmp/acpid.log | cut -c1-100)): shutting down"
         ;;
     bench) ;;

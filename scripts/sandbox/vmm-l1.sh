@@ -31,12 +31,14 @@ L=/tmp/logs
 # cpus=N (--cpus boot=N, default 1), v (-v: info log lines on stderr), vv
 # (-vv: debug lines too, ours only),
 # reboot (the QEMU stand-in reboots in place instead of exiting, as ours does),
-# api=PATH (--api-socket path=PATH; ours only).
+# api=PATH (--api-socket path=PATH; ours only), console=MODE (--console MODE,
+# default off; ours only).
 vmm_exec() {
     cpus=1
     verbose=
     noreboot=-no-reboot
     api=
+    console=off
     for o in ${3:-}; do
         case $o in
             cpus=*) cpus=${o#cpus=} ;;
@@ -44,6 +46,7 @@ vmm_exec() {
             vv) verbose=-vv ;;
             reboot) noreboot= ;;
             api=*) api=${o#api=} ;;
+            console=*) console=${o#console=} ;;
         esac
     done
     # VMM_LOG=vv (VMMSC_VMM_LOG): debug lines from every VMM run.
@@ -56,7 +59,7 @@ vmm_exec() {
         [ -z "$api" ] || set -- "$@" --api-socket "path=$api"
         exec ./cloud-hypervisor $verbose --kernel l2/vmlinuz --initramfs l2/initramfs.cpio \
             --cmdline "$KCMD $cmd" --cpus boot=$cpus --memory size=256M \
-            "$@" --serial tty --console off
+            "$@" --serial tty --console "$console"
     fi
     k=0
     for p in $pm; do
@@ -1042,39 +1045,113 @@ sc13() {
     note="preallocated in L1 (file $((len / 1048576)) MiB for $((SIZE / 1048576)) MiB virtual); two boots wrote and read back every file with 0 faults (the thin image: ${ft%% *} write faults); check rc=0"
 }
 
-# ---- scenario 14: the ACPI power button (and an NMI) over the API ---------------
-# The guest writes a file, starts busybox acpid, says GUEST-S14-NMI-WAIT; L1
+# ---- scenario 15: the ACPI power button (and an NMI) over the API ---------------
+# The guest writes a file, starts busybox acpid, says GUEST-S15-NMI-WAIT; L1
 # sends `ch-remote nmi`, the guest finds "NMI received" in its kernel log and
-# says GUEST-S14-WAITING; L1 sends `ch-remote power-button`: the guest's
+# says GUEST-S15-WAITING; L1 sends `ch-remote power-button`: the guest's
 # handler runs, it writes a second file and powers off cleanly; the VMM exits
 # 0 (as on any guest power-off), the image checks clean.
-sc14_api() {
-    until_ 60 grep -q GUEST-S14-NMI-WAIT $L/s14-button.log \
-        || { why="s14: the guest never said GUEST-S14-NMI-WAIT$(guest_said s14-button)"; return 1; }
-    api s14-nmi nmi
-    [ $arc -eq 0 ] || { why="s14: ch-remote nmi: rc=$arc ($(api_err s14-nmi))"; return 1; }
-    until_ 60 grep -q GUEST-S14-WAITING $L/s14-button.log \
-        || { why="s14: the guest did not see the NMI$(guest_said s14-button)"; return 1; }
-    api s14-info info
-    [ "$(json_state s14-info)" = Running ] || { why="s14: state '$(json_state s14-info)' before the button, expected Running"; return 1; }
-    api s14-button power-button
-    [ $arc -eq 0 ] || { why="s14: ch-remote power-button: rc=$arc ($(api_err s14-button))"; return 1; }
+sc15_api() {
+    until_ 60 grep -q GUEST-S15-NMI-WAIT $L/s15-button.log \
+        || { why="s15: the guest never said GUEST-S15-NMI-WAIT$(guest_said s15-button)"; return 1; }
+    api s15-nmi nmi
+    [ $arc -eq 0 ] || { why="s15: ch-remote nmi: rc=$arc ($(api_err s15-nmi))"; return 1; }
+    until_ 60 grep -q GUEST-S15-WAITING $L/s15-button.log \
+        || { why="s15: the guest did not see the NMI$(guest_said s15-button)"; return 1; }
+    api s15-info info
+    [ "$(json_state s15-info)" = Running ] || { why="s15: state '$(json_state s15-info)' before the button, expected Running"; return 1; }
+    api s15-button power-button
+    [ $arc -eq 0 ] || { why="s15: ch-remote power-button: rc=$arc ($(api_err s15-button))"; return 1; }
 }
-sc14() {
+sc15() {
     [ "$VMM" = ch ] || { why="needs our VMM's API (VMMSC_VMM=qemu has none)"; return 1; }
-    img=$(img_in s14) || { why="no image"; return 1; }
-    live_run s14-button "file=$img" "l2.scenario=s14button" 1 GUEST-NEVER sc14_api
+    img=$(img_in s15) || { why="no image"; return 1; }
+    live_run s15-button "file=$img" "l2.scenario=s15button" 1 GUEST-NEVER sc15_api
     img_out "$img"
     [ -z "$why" ] || return 1
-    booted_ok s14-button || return 1
-    grep -q GUEST-S14-PRESSED $L/s14-button.log || { why="s14: the guest's power button handler did not run$(guest_said s14-button)"; return 1; }
-    vmm_logged s14-button 'ACPI power button pressed' || { why="s14: no 'ACPI power button pressed' in the VMM log"; return 1; }
-    vmm_logged s14-button 'guest powered off' || { why="s14: no 'guest powered off' in the VMM log"; return 1; }
+    booted_ok s15-button || return 1
+    grep -q GUEST-S15-PRESSED $L/s15-button.log || { why="s15: the guest's power button handler did not run$(guest_said s15-button)"; return 1; }
+    vmm_logged s15-button 'ACPI power button pressed' || { why="s15: no 'ACPI power button pressed' in the VMM log"; return 1; }
+    vmm_logged s15-button 'guest powered off' || { why="s15: no 'guest powered off' in the VMM log"; return 1; }
     img_check "$img"
     [ $crc -eq 0 ] || { why="pcow-img check after the power button: rc=$crc"; return 1; }
-    nmi=$(sed -n 's/.*GUEST-S14-NMI \(.*\)/\1/p' $L/s14-button.log | tr -d '\r' | head -n1 | cut -c1-80)
-    case $nmi in *"NMI received for unknown reason"*) ;; *) why="s14: the guest took the NMI for something else: '$nmi'"; return 1 ;; esac
+    nmi=$(sed -n 's/.*GUEST-S15-NMI \(.*\)/\1/p' $L/s15-button.log | tr -d '\r' | head -n1 | cut -c1-80)
+    case $nmi in *"NMI received for unknown reason"*) ;; *) why="s15: the guest took the NMI for something else: '$nmi'"; return 1 ;; esac
     note="guest logged '$nmi' after vm.nmi; vm.power-button: acpid ran its handler, the guest powered off, VMM exit 0, check rc=0"
+}
+
+# ---- scenario 14: virtio-rng and virtio-console in a real guest -------------------
+# --console pty: the guest (console=ttyS0 console=hvc0, modules virtio-rng and
+# virtio_console) reads /dev/hwrng (virtio_rng the current source, two reads
+# of 512 bytes that differ and are not all zero), lists its PCI functions
+# (console 00:01.0, rng 00:02.0, as upstream orders them), checks that hvc0 is
+# a kernel console, and starts a login-less shell on /dev/hvc0. L1 takes the
+# pty's path from the VMM's log, reads the pty, and sends the shell a line
+# whose answer only a shell can give (HVC-ECHO-$((6*7)) -> HVC-ECHO-42); the
+# guest powers off once the shell ran it.
+sc14() {
+    [ "$VMM" = ch ] || { why="needs our VMM (--console pty)"; return 1; }
+    t=$(up)
+    sh "$0" __vmm "" "console=hvc0 l2.scenario=s14dev" "console=pty" </dev/null >$L/s14-dev.log 2>&1 &
+    pid=$!
+    pty=
+    i=0
+    while [ -z "$pty" ] && [ $i -lt 300 ] && alive $pid; do
+        sleep 0.1
+        pty=$(sed -n 's/.*console: pseudo-terminal \(\/dev\/pts\/[0-9]*\).*/\1/p' $L/s14-dev.log | head -n1)
+        i=$((i + 1))
+    done
+    cpid=
+    if [ -n "$pty" ]; then
+        cat "$pty" >$L/s14-hvc.txt 2>/dev/null &
+        cpid=$!
+    fi
+    to=
+    sent=0
+    while alive $pid; do
+        sleep 0.2
+        if [ -n "$pty" ] && grep -q GUEST-HVC-SHELL $L/s14-dev.log && ! grep -q HVC-ECHO-42 $L/s14-hvc.txt 2>/dev/null; then
+            # Sent again every 5 s until answered (the shell may not read yet).
+            if [ $((sent % 25)) -eq 0 ]; then
+                printf 'echo HVC-ECHO-$((6*7)); echo ran >/tmp/hvc-done\n' >"$pty"
+            fi
+            sent=$((sent + 1))
+        fi
+        if awk -v a="$t" -v b="$(up)" -v s="$BOOT_TIMEOUT" 'BEGIN { exit !(b - a > s) }'; then
+            to=" TIMEOUT"
+            kill -9 $pid
+            break
+        fi
+    done
+    wait $pid
+    vrc=$?
+    [ -z "$cpid" ] || { kill $cpid 2>/dev/null; wait $cpid 2>/dev/null; }
+    echo "VMMSC-BOOT s14-dev exit=$vrc time=$(since "$t")s$to"
+    tr -d '\r' <$L/s14-dev.log | sed "s/^/  L2[s14-dev]| /"
+    # (The shell's prompt ends without a newline: add one.)
+    { tr -d '\r' <$L/s14-hvc.txt 2>/dev/null; echo; } | sed "s/^/  HVC[s14-dev]| /" | tail -n 20
+    [ -n "$pty" ] || { why="the VMM's log names no pseudo-terminal for the console"; return 1; }
+    booted_ok s14-dev || return 1
+    grep -q 'HVC-ECHO-42' $L/s14-hvc.txt || { why="no HVC-ECHO-42 from the shell on hvc0 through $pty"; return 1; }
+    grep -q 'GUEST-PCI 0000:00:01.0 0x1af4:0x1043' $L/s14-dev.log || { why="00:01.0 is not the virtio console: $(grep -o 'GUEST-PCI 0000:00:01.0.*' $L/s14-dev.log)"; return 1; }
+    grep -q 'GUEST-PCI 0000:00:02.0 0x1af4:0x1044' $L/s14-dev.log || { why="00:02.0 is not the virtio-rng: $(grep -o 'GUEST-PCI 0000:00:02.0.*' $L/s14-dev.log)"; return 1; }
+    note="$(grep -o 'GUEST-RNG.*' $L/s14-dev.log | head -n1); the shell on hvc0 answered through $pty"
+}
+
+# out_flush: what the scenario left in /out goes to the host at once, as a tar
+# segment on /dev/vda after the previous one (from 16 MiB on: L1's init
+# writes its own, final, tar at offset 0), then /out is emptied. run-l1.sh
+# extracts every segment its marker names, even when L1 is cut by its
+# timeout, so a later timeout cannot take the images of a finished scenario.
+OUT_MIB=16
+out_flush() {
+    [ -b /dev/vda ] || return 0
+    [ -n "$(ls -A /out)" ] || return 0
+    bytes=$(tar -cf - -C /out . | wc -c)
+    tar -cf - -C /out . | dd of=/dev/vda bs=1M seek=$OUT_MIB conv=notrunc,fsync 2>/dev/null
+    echo "SANDBOX-OUT-SEGMENT mib=$OUT_MIB bytes=$bytes"
+    OUT_MIB=$((OUT_MIB + (bytes + 1048575) / 1048576))
+    rm -rf /out/* /out/.[!.]* 2>/dev/null
 }
 
 run() { # K FUNCTION
@@ -1083,10 +1160,12 @@ run() { # K FUNCTION
     note=
     echo "VMMSC-START $1 uptime=$t_sc"
     if $2; then
-        echo "VMMSC-RESULT $1 PASS $(since "$t_sc")s: $note"
+        verdict="PASS $(since "$t_sc")s: $note"
     else
-        echo "VMMSC-RESULT $1 FAIL $(since "$t_sc")s: $why"
+        verdict="FAIL $(since "$t_sc")s: $why"
     fi
+    out_flush
+    echo "VMMSC-RESULT $1 $verdict"
 }
 
 echo "VMMSC-L1 vmm=$VMM scenarios=$SCENARIOS"

@@ -8,7 +8,10 @@
 //! | the power eventfd (ACPI port, 0xcf9, i8042) | power off or reset |
 //! | the vCPU exit eventfd | a vCPU ended: triple fault (reset) or error |
 //! | the signalfd (SIGTERM, SIGINT) | clean exit |
-//! | standard input (`--serial tty`) | bytes for the serial port |
+//! | a queue notification of the console or the entropy device | serve the queue |
+//! | standard input (`--serial tty`, else `--console tty`) | bytes for that device |
+//! | a pty's main side (`--serial pty`, `--console pty`) | bytes for that device |
+//! | the serial socket (`--serial socket=`) and its client | a new client replaces the old; its bytes for the serial port |
 //! | the API eventfd | return: the VMM serves the requests, then runs the loop again |
 //!
 //! After a fault or a queue was served, a device that found its file
@@ -26,8 +29,9 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
+use crate::chardev::{Backend, StdinOwner};
 use crate::legacy::power::PowerEvent;
-use crate::machine::Machine;
+use crate::machine::{Machine, VirtioFn};
 use crate::vcpu::VcpuStop;
 
 /// An error and its sources on one line (the wording of every error the
@@ -70,8 +74,42 @@ enum Token {
     Signal,
     Stdin,
     Api,
-    Notify { dev: usize, queue: u16 },
-    Monitor { dev: usize, fd: RawFd },
+    Notify {
+        dev: usize,
+        queue: u16,
+    },
+    Monitor {
+        dev: usize,
+        fd: RawFd,
+    },
+    /// A queue of the entropy device or the console.
+    Own {
+        dev: Own,
+        queue: u16,
+    },
+    /// A pty's main side or a socket client: input for `to`.
+    Input {
+        to: StdinOwner,
+        fd: RawFd,
+    },
+    /// The serial socket's listener.
+    SerialListen,
+}
+
+/// The VMM's own virtio functions.
+#[derive(Debug, Clone, Copy)]
+enum Own {
+    Rng,
+    Console,
+}
+
+impl Own {
+    fn function(self, m: &Machine) -> Option<&VirtioFn> {
+        match self {
+            Own::Rng => Some(&m.rng),
+            Own::Console => m.console.as_ref().map(|c| &c.function),
+        }
+    }
 }
 
 /// The loop's registrations.
@@ -107,11 +145,12 @@ impl Registry {
 }
 
 /// What the loop reads besides the machine: the signalfd and standard
-/// input (when the serial port is the terminal).
+/// input (when the serial port or the console is the terminal).
 pub struct Inputs {
     /// A signalfd for SIGTERM and SIGINT (blocked in every thread).
     pub signal_fd: RawFd,
-    /// Standard input for the serial port.
+    /// Standard input, for the serial port (`--serial tty`) or else the
+    /// console (`--console tty`).
     pub stdin: Option<RawFd>,
 }
 
@@ -189,9 +228,54 @@ fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Regis
     if let Some(fd) = api_fd {
         r.add(fd, Token::Api)?;
     }
-    if let (Some(fd), Some(_)) = (inputs.stdin, &m.serial) {
+    if let (Some(fd), Some(_)) = (inputs.stdin, stdin_target(m)) {
         // The VMM checked that it can be polled (`stdin_pollable`).
         r.add(fd, Token::Stdin)?;
+    }
+    for (dev, f) in [
+        (Own::Rng, Some(&m.rng)),
+        (Own::Console, Own::Console.function(m)),
+    ] {
+        for (queue, fd) in f.iter().flat_map(|f| f.notify.iter().enumerate()) {
+            r.add(
+                fd.as_raw_fd(),
+                Token::Own {
+                    dev,
+                    queue: queue as u16,
+                },
+            )?;
+        }
+    }
+    match &m.chardevs.serial {
+        Backend::Pty(pty, _) if m.serial.is_some() => r.add(
+            pty.main_fd(),
+            Token::Input {
+                to: StdinOwner::Serial,
+                fd: pty.main_fd(),
+            },
+        )?,
+        Backend::Socket(sock, _) if m.serial.is_some() => {
+            r.add(sock.listen_fd(), Token::SerialListen)?;
+            if let Some(fd) = sock.client_fd() {
+                r.add(
+                    fd,
+                    Token::Input {
+                        to: StdinOwner::Serial,
+                        fd,
+                    },
+                )?;
+            }
+        }
+        _ => {}
+    }
+    if let (Backend::Pty(pty, _), Some(_)) = (&m.chardevs.console, &m.console) {
+        r.add(
+            pty.main_fd(),
+            Token::Input {
+                to: StdinOwner::Console,
+                fd: pty.main_fd(),
+            },
+        )?;
     }
     for (dev, p) in m.pmem.iter().enumerate() {
         for (queue, fd) in p.notify.iter().enumerate() {
@@ -210,6 +294,33 @@ fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Regis
         }
     }
     Ok(r)
+}
+
+/// The device standard input feeds, if it exists in this machine.
+fn stdin_target(m: &Machine) -> Option<StdinOwner> {
+    match m.chardevs.stdin_owner()? {
+        StdinOwner::Serial => m.serial.as_ref().map(|_| StdinOwner::Serial),
+        StdinOwner::Console => m.console.as_ref().map(|_| StdinOwner::Console),
+    }
+}
+
+/// Input bytes for `to`.
+fn deliver(m: &Machine, pending: &mut PendingInput, to: StdinOwner, bytes: &[u8]) {
+    match to {
+        StdinOwner::Serial => {
+            pending.0.extend(bytes);
+            pending.feed(m);
+        }
+        StdinOwner::Console => {
+            if let Some(c) = &m.console {
+                c.input
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(bytes);
+                c.function.serve(crate::pci::console::RX_QUEUE);
+            }
+        }
+    }
 }
 
 fn serve_monitor(m: &Machine, dev: usize, fd: RawFd) -> Result<(), String> {
@@ -232,7 +343,7 @@ pub fn run(
     inputs: &Inputs,
     api_fd: Option<RawFd>,
 ) -> Result<Outcome, ControlError> {
-    let reg = registry(m, inputs, api_fd)?;
+    let mut reg = registry(m, inputs, api_fd)?;
     let mut events = vec![EpollEvent::default(); 32];
     let mut pending = PendingInput::default();
     let mut stdin_open = true;
@@ -299,6 +410,56 @@ pub fn run(
                         return Ok(Outcome::Failed("every vCPU has ended".into()));
                     }
                 }
+                Token::Own { dev, queue } => {
+                    if let Some(f) = dev.function(m) {
+                        if let Some(fd) = f.notify.get(usize::from(queue)) {
+                            let _ = fd.read();
+                        }
+                        f.serve(queue);
+                    }
+                }
+                Token::SerialListen => {
+                    if let Backend::Socket(sock, out) = &m.chardevs.serial {
+                        let old = sock.client_fd();
+                        if let Some(fd) = sock.accept(out) {
+                            if let Some(old) = old {
+                                reg.remove(old);
+                            }
+                            reg.add(
+                                fd,
+                                Token::Input {
+                                    to: StdinOwner::Serial,
+                                    fd,
+                                },
+                            )?;
+                        }
+                    }
+                }
+                Token::Input { to, fd } => {
+                    let mut buf = [0u8; 256];
+                    if let (StdinOwner::Serial, Backend::Socket(sock, out)) =
+                        (to, &m.chardevs.serial)
+                    {
+                        if sock.client_fd() != Some(fd) {
+                            // A client replaced meanwhile: its fd is gone.
+                            continue;
+                        }
+                        match sock.read_client(out, &mut buf) {
+                            Some(n) => deliver(m, &mut pending, to, &buf[..n]),
+                            None => reg.remove(fd),
+                        }
+                        continue;
+                    }
+                    match crate::chardev::read_fd(fd, &mut buf) {
+                        Ok(n) => deliver(m, &mut pending, to, &buf[..n]),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => {
+                            log::warn!("{to:?} input: {e}; input stops");
+                            reg.remove(fd);
+                        }
+                    }
+                }
                 Token::Api => return Ok(Outcome::Api),
                 Token::Signal => {
                     if let Some(sig) = read_signal(inputs.signal_fd) {
@@ -318,13 +479,14 @@ pub fn run(
                             stdin_open = false;
                         }
                         Ok(k) => {
-                            pending.0.extend(&buf[..k]);
-                            pending.feed(m);
+                            if let Some(to) = stdin_target(m) {
+                                deliver(m, &mut pending, to, &buf[..k]);
+                            }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Err(e) => {
-                            log::warn!("standard input: {e}; serial input stops");
+                            log::warn!("standard input: {e}; input stops");
                             reg.remove(fd);
                             stdin_open = false;
                         }

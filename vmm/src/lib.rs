@@ -40,6 +40,7 @@
 pub mod acpi;
 pub mod api;
 pub mod boot;
+pub mod chardev;
 pub mod config;
 pub mod control;
 pub mod cpu;

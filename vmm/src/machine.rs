@@ -1,8 +1,11 @@
 //! The whole virtual machine, built from a validated [`VmConfig`]: the KVM
 //! VM with its in-kernel irqchip, guest RAM with the kernel and boot data,
-//! ACPI tables, the pmem devices (each a region from the device crate
-//! behind a virtio-pci function, its memslot above RAM), the PCI bus, the
-//! legacy ports, and the vCPUs configured and ready to start.
+//! ACPI tables, the virtio-pci functions in upstream's order (the console
+//! unless `--console off`, the entropy device, then the pmem devices, each
+//! a region from the device crate with its memslot above RAM), the PCI
+//! bus, the legacy ports, and the vCPUs configured and ready to start.
+//! With `--console off` the entropy device is 00:01.0 and the first pmem
+//! 00:02.0, as upstream.
 //!
 //! [`Machine::build`] does everything that can fail before any guest code
 //! runs, so a bad kernel, a bad image or a busy lock is an error before
@@ -28,6 +31,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::acpi::{self, AcpiConfig};
 use crate::boot::linux::{self, BootSource};
+use crate::chardev::{Backend, Chardevs};
 use crate::config::{PmemFormat, ValidatedPmem, VmConfig};
 use crate::cpu;
 use crate::device_tree::{self, DeviceTree, Resource};
@@ -36,7 +40,10 @@ use crate::legacy::ports::PortBusBuilder;
 use crate::legacy::power::{power_channel, PowerDevice, PowerEventReceiver};
 use crate::legacy::serial::{SerialDevice, SharedSerial, COM1_IRQ};
 use crate::pci::virtio_pci::{BAR_INDEX, NOTIFY_OFFSET, NOTIFY_OFF_MULTIPLIER};
-use crate::pci::{BarMove, Mmio64Window, PciBus, PciConfigIo, PmemVirtio, VirtioPciDevice};
+use crate::pci::{
+    BarMove, ConsoleDevice, ConsoleInput, Mmio64Window, PciBus, PciConfigIo, PmemVirtio, RngDevice,
+    VirtioDevice, VirtioPciDevice,
+};
 use crate::vcpu::{self, MmioBus, Vcpu, VcpuControl, VcpuThread};
 use crate::vm::{Memslot, Vm};
 
@@ -146,7 +153,9 @@ pub enum MachineError {
         #[source]
         source: crate::vm::VmError,
     },
-    #[error("pmem device {id}: virtio-pci function")]
+    #[error("virtio-rng")]
+    Rng(#[source] crate::pci::rng::RngError),
+    #[error("{id}: virtio-pci function")]
     VirtioPci {
         id: String,
         #[source]
@@ -364,6 +373,45 @@ impl Pmem {
     }
 }
 
+/// A virtio-pci function of the VMM's own (the entropy device, the
+/// console).
+pub struct VirtioFn {
+    /// The device id (`__rng`, `__console`, as upstream names them).
+    pub id: &'static str,
+    /// The function.
+    pub virtio: Arc<Mutex<VirtioPciDevice>>,
+    /// Queue notification eventfds (one per queue).
+    pub notify: Vec<EventFd>,
+    /// The PCI address, `0000:00:DD.F`.
+    pub bdf: String,
+}
+
+impl VirtioFn {
+    /// The device's counters (`vm.counters`).
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.virtio
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .counters()
+    }
+
+    /// Serves queue `queue` (a notification, or new input).
+    pub fn serve(&self, queue: u16) {
+        self.virtio
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .notify_queue(queue);
+    }
+}
+
+/// The virtio console of a machine.
+pub struct Console {
+    /// Its function.
+    pub function: VirtioFn,
+    /// Input waiting for the guest (the control loop fills it).
+    pub input: Arc<Mutex<ConsoleInput>>,
+}
+
 /// The queue notify ioeventfds of every virtio-pci function, moved with
 /// its BAR (the bus's hook reports every change of what a BAR decodes).
 struct IoEvents {
@@ -438,6 +486,13 @@ pub struct Machine {
     vcpus: Vec<Vcpu>,
     /// The pmem devices, in config order.
     pub pmem: Vec<Pmem>,
+    /// The virtio console (absent with `--console off`).
+    pub console: Option<Console>,
+    /// The virtio-rng device.
+    pub rng: VirtioFn,
+    /// The serial port's and the console's backends (kept across reboots
+    /// by the VMM).
+    pub chardevs: Arc<Chardevs>,
     /// The serial port (absent with `--serial off`).
     pub serial: Option<SharedSerial>,
     /// Guest power-off and reset requests.
@@ -465,9 +520,55 @@ fn cap<T>(id: &str, r: Result<T, crate::vm::VmError>) -> Result<T, MachineError>
     })
 }
 
+/// A new function, the eventfds of its queues and its address.
+type NewFunction = (
+    Arc<Mutex<VirtioPciDevice>>,
+    Vec<EventFd>,
+    crate::pci::PciAddress,
+);
+
+/// Puts `dev` behind a new virtio-pci function on `bus`, with MSI-X
+/// through irqfds and one ioeventfd per queue (registered when its BAR
+/// decodes). Returns the function, the eventfds the control loop polls,
+/// and the PCI address.
+fn add_function(
+    bus: &mut PciBus,
+    io_events: &mut IoEvents,
+    router: &Arc<GsiRouter>,
+    vm: &Vm,
+    id: &str,
+    dev: Box<dyn VirtioDevice>,
+) -> Result<NewFunction, MachineError> {
+    let nqueues = dev.queue_max_sizes().len() as u16;
+    let irqs = MsixIrqs::new(router.clone(), nqueues + 1).map_err(MachineError::Irq)?;
+    let dev = VirtioPciDevice::new(dev, vm.memory().clone(), Arc::new(irqs)).map_err(|source| {
+        MachineError::VirtioPci {
+            id: id.to_owned(),
+            source,
+        }
+    })?;
+    let dev = Arc::new(Mutex::new(dev));
+    let addr = bus.add_device(dev.clone()).map_err(MachineError::Pci)?;
+    let mut kvm_fds = Vec::new();
+    let mut loop_fds = Vec::new();
+    for _ in 0..nqueues {
+        let fd = EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?;
+        loop_fds.push(fd.try_clone().map_err(MachineError::EventFd)?);
+        kvm_fds.push(fd);
+    }
+    io_events.devices.insert(addr.device, kvm_fds);
+    Ok((dev, loop_fds, addr))
+}
+
 impl Machine {
-    /// Builds the machine for `config`, whose validation returned `pmem`.
-    pub fn build(config: &VmConfig, pmem: &[ValidatedPmem]) -> Result<Machine, MachineError> {
+    /// Builds the machine for `config`, whose validation returned `pmem`,
+    /// its serial port and console on `chardevs` (opened for this VM with
+    /// [`Chardevs::open`]).
+    pub fn build(
+        config: &VmConfig,
+        pmem: &[ValidatedPmem],
+        chardevs: &Arc<Chardevs>,
+    ) -> Result<Machine, MachineError> {
         let payload = config.payload.as_ref();
         let kernel = payload
             .and_then(|p| p.kernel.as_deref())
@@ -494,6 +595,9 @@ impl Machine {
         )
         .map_err(MachineError::Boot)?;
         crate::boot::write_reset_stub(vm.memory()).map_err(MachineError::Boot)?;
+        // The entropy source next: a bad `--rng src=` fails before any
+        // image is opened.
+        let rng_dev = RngDevice::open(&config.rng.src).map_err(MachineError::Rng)?;
         // pmem regions and their memslots, 2 MiB aligned above RAM.
         let mut regions = Vec::new();
         for p in pmem {
@@ -563,26 +667,44 @@ impl Machine {
             vm: vm.fd_arc(),
             devices: HashMap::new(),
         };
+        let mut add = |id: &str, dev: Box<dyn VirtioDevice>| {
+            add_function(&mut bus, &mut io_events, &router, &vm, id, dev)
+        };
+        // Upstream's order: console, rng, then the pmem devices.
+        let console = match &chardevs.console {
+            Backend::Off => None,
+            b => {
+                let input = ConsoleInput::shared();
+                let sink = b
+                    .output()
+                    .map(|o| Box::new(o.writer()) as Box<dyn std::io::Write + Send>);
+                let dev = ConsoleDevice::new(sink, input.clone());
+                let (virtio, notify, addr) = add("__console", Box::new(dev))?;
+                log::info!("virtio-console: {:?}, PCI {addr}", config.console.mode);
+                Some(Console {
+                    function: VirtioFn {
+                        id: "__console",
+                        virtio,
+                        notify,
+                        bdf: addr.to_string(),
+                    },
+                    input,
+                })
+            }
+        };
+        let rng_src = rng_dev.path().display().to_string();
+        let (virtio, notify, addr) = add("__rng", Box::new(rng_dev))?;
+        log::info!("virtio-rng: {rng_src}, PCI {addr}");
+        let rng = VirtioFn {
+            id: "__rng",
+            virtio,
+            notify,
+            bdf: addr.to_string(),
+        };
         let mut devices = Vec::new();
         for (p, slot, backend, monitor) in regions {
             let virtio = PmemVirtio::new(PmemDevice::new(slot.gpa(), slot.len(), backend.clone()));
-            let nqueues = 1u16;
-            let irqs = MsixIrqs::new(router.clone(), nqueues + 1).map_err(MachineError::Irq)?;
-            let dev = VirtioPciDevice::new(Box::new(virtio), vm.memory().clone(), Arc::new(irqs))
-                .map_err(|source| MachineError::VirtioPci {
-                id: p.id.clone(),
-                source,
-            })?;
-            let dev = Arc::new(Mutex::new(dev));
-            let addr = bus.add_device(dev.clone()).map_err(MachineError::Pci)?;
-            let mut kvm_fds = Vec::new();
-            let mut loop_fds = Vec::new();
-            for _ in 0..nqueues {
-                let fd = EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?;
-                loop_fds.push(fd.try_clone().map_err(MachineError::EventFd)?);
-                kvm_fds.push(fd);
-            }
-            io_events.devices.insert(addr.device, kvm_fds);
+            let (dev, loop_fds, addr) = add(&p.id, Box::new(virtio))?;
             log::info!(
                 "pmem {}: {} ({:?}) at guest {:#x}, {} MiB, PCI {addr}",
                 p.id,
@@ -614,9 +736,10 @@ impl Machine {
         // Legacy devices.
         let (power_tx, power) = power_channel().map_err(MachineError::Power)?;
         let serial_irq = irq::irqfd(vm.fd(), COM1_IRQ).map_err(MachineError::Irq)?;
-        let serial = SerialDevice::from_config(&config.serial, Box::new(serial_irq))
-            .map_err(MachineError::Serial)?
-            .map(SerialDevice::shared);
+        let serial =
+            SerialDevice::from_config(&config.serial, &chardevs.serial, Box::new(serial_irq))
+                .map_err(MachineError::Serial)?
+                .map(SerialDevice::shared);
         let mut ports = PortBusBuilder::new();
         if let Some(s) = &serial {
             ports.add_serial(s.clone()).map_err(MachineError::Ports)?;
@@ -669,6 +792,9 @@ impl Machine {
             threads: Vec::new(),
             vcpus,
             pmem: devices,
+            console,
+            rng,
+            chardevs: chardevs.clone(),
             serial,
             power,
             vcpu_exit: Arc::new(EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?),
@@ -682,7 +808,7 @@ impl Machine {
         })
     }
     /// `vm.info`'s device tree: the serial port, the IO-APIC, and each
-    /// virtio device under its PCI function.
+    /// virtio device (console, rng, pmem) under its PCI function.
     pub fn device_tree(&self) -> DeviceTree {
         use crate::legacy::serial::{COM1_BASE, COM1_SIZE};
         let mut tree = DeviceTree::new();
@@ -707,6 +833,15 @@ impl Machine {
                 size: crate::boot::layout::IOAPIC_SIZE,
             }],
         );
+        let functions = self
+            .console
+            .iter()
+            .map(|c| &c.function)
+            .chain(std::iter::once(&self.rng));
+        for f in functions {
+            let bar = f.virtio.lock().unwrap_or_else(|e| e.into_inner()).bar();
+            device_tree::add_virtio(&mut tree, f.id, &f.bdf, bar, Vec::new());
+        }
         for p in &self.pmem {
             let bar = p.virtio.lock().unwrap_or_else(|e| e.into_inner()).bar();
             let region = Resource::MmioAddressRange {

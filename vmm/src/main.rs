@@ -53,7 +53,7 @@ fn signal_fd() -> Result<std::os::fd::OwnedFd> {
 }
 
 /// Puts the terminal on standard input in raw mode while the guest owns it
-/// (`--serial tty`), and back on drop.
+/// (`--serial tty` or `--console tty`), and back on drop.
 struct RawTerminal(bool);
 
 impl RawTerminal {
@@ -165,17 +165,11 @@ fn run() -> Result<()> {
     };
 
     let signals = signal_fd()?;
-    let tty = config
-        .as_ref()
-        .is_some_and(|c| c.serial.mode == ConsoleOutputMode::Tty);
-    if let Some(c) = &config {
-        if c.console.mode != ConsoleOutputMode::Off {
-            log::info!(
-                "--console {:?}: there is no virtio-console device; use --serial",
-                c.console.mode
-            );
-        }
-    }
+    // Standard input goes to the serial port or the console on `tty`
+    // (chardev::Chardevs::stdin_owner picks which).
+    let tty = config.as_ref().is_some_and(|c| {
+        c.serial.mode == ConsoleOutputMode::Tty || c.console.mode == ConsoleOutputMode::Tty
+    });
     let stdin_fd = std::io::stdin().as_raw_fd();
     if tty {
         // Non-blocking, so that a read never stalls the control loop.
@@ -189,7 +183,7 @@ fn run() -> Result<()> {
     }
     let stdin_ok = tty && control::stdin_pollable(stdin_fd);
     if tty && !stdin_ok {
-        log::info!("standard input cannot be polled (a file or /dev/null): no serial input");
+        log::info!("standard input cannot be polled (a file or /dev/null): no console input");
     }
     let inputs = Inputs {
         signal_fd: signals.as_raw_fd(),

@@ -24,6 +24,7 @@
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -32,6 +33,7 @@ use crate::api::{
     ApiError, ApiReceiver, ApiRequest, ApiResult, PmemOverlay, PmemRollback, PmemSnapshot,
     PmemSnapshotDelete, RequestHandler, Unsupported, VmResize,
 };
+use crate::chardev::{ChardevError, Chardevs};
 use crate::config::{PmemConfig, ValidationError, VmConfig, MAX_VCPUS};
 use crate::control::{self, Inputs, Outcome};
 use crate::event_monitor::event;
@@ -63,6 +65,9 @@ struct Vm {
     state: VmState,
     machine: Option<Machine>,
     boots: u64,
+    /// The serial port's and console's backends, opened at the first boot
+    /// and kept across reboots (a pty keeps its path).
+    chardevs: Option<Arc<Chardevs>>,
 }
 
 /// Why the VMM ended.
@@ -103,8 +108,17 @@ fn build_status(e: &MachineError) -> u16 {
         MachineError::NoKernel => 400,
         MachineError::Boot(b) if b.is_config_error() => 400,
         MachineError::Serial(SerialError::Interrupt(_)) => 500,
-        MachineError::Serial(_) => 400,
+        MachineError::Serial(_) | MachineError::Rng(_) => 400,
         _ => 500,
+    }
+}
+
+/// The status a backend that cannot be opened answers with: 400 for what
+/// the config names (a file, a socket path), 500 for the host's own.
+fn chardev_status(e: &ChardevError) -> u16 {
+    match e {
+        ChardevError::Pty { .. } | ChardevError::Stdout { .. } | ChardevError::Thread(_) => 500,
+        _ => 400,
     }
 }
 
@@ -194,6 +208,7 @@ impl Vmm {
             state: VmState::Created,
             machine: None,
             boots: 0,
+            chardevs: None,
         });
         Ok(None)
     }
@@ -213,7 +228,16 @@ impl Vmm {
             .validate()
             .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
         event("vm", "booting", &[]);
-        let mut m = Machine::build(&vm.config, &pmem)
+        let chardevs = match &vm.chardevs {
+            Some(c) => c.clone(),
+            None => {
+                let c = Chardevs::open(&mut vm.config).map_err(|e| {
+                    ApiError::with_source(chardev_status(&e), "building the VM", &e)
+                })?;
+                vm.chardevs.insert(Arc::new(c)).clone()
+            }
+        };
+        let mut m = Machine::build(&vm.config, &pmem, &chardevs)
             .map_err(|e| ApiError::with_source(build_status(&e), "building the VM", &e))?;
         m.start()
             .map_err(|e| ApiError::with_source(500, "starting the vCPUs", &e))?;
@@ -400,14 +424,20 @@ impl Vmm {
     /// `{id: {name: value}}`).
     fn counters(&mut self) -> ApiResult {
         let (_, m) = self.machine_mut()?;
+        let object = |c: Vec<(&str, u64)>| {
+            Value::Object(
+                c.into_iter()
+                    .map(|(k, v)| (k.to_owned(), json!(v)))
+                    .collect(),
+            )
+        };
         let mut out = serde_json::Map::new();
+        if let Some(c) = &m.console {
+            out.insert(c.function.id.to_owned(), object(c.function.counters()));
+        }
+        out.insert(m.rng.id.to_owned(), object(m.rng.counters()));
         for p in &m.pmem {
-            let c: serde_json::Map<String, Value> = p
-                .counters()
-                .into_iter()
-                .map(|(k, v)| (k.to_owned(), json!(v)))
-                .collect();
-            out.insert(p.id.clone(), Value::Object(c));
+            out.insert(p.id.clone(), object(p.counters()));
         }
         Ok(Some(Value::Object(out)))
     }

@@ -376,9 +376,11 @@ fn lifecycle_states_and_refusals() {
     refused(sock, "PUT", "vm.boot", None, 500, "Running");
     let info = expect(sock, "GET", "vm.info", None, 200);
     assert_eq!(info["state"], "Running");
+    // With the console off, the entropy device is 00:01.0 (as upstream).
     let tree = &info["device_tree"];
-    assert_eq!(tree["_virtio-pci-p0"]["pci_bdf"], "0000:00:01.0");
-    assert_eq!(tree["_virtio-pci-p1"]["pci_bdf"], "0000:00:02.0");
+    assert_eq!(tree["_virtio-pci-__rng"]["pci_bdf"], "0000:00:01.0");
+    assert_eq!(tree["_virtio-pci-p0"]["pci_bdf"], "0000:00:02.0");
+    assert_eq!(tree["_virtio-pci-p1"]["pci_bdf"], "0000:00:03.0");
     assert_eq!(tree["_virtio-pci-p0"]["children"], json!(["p0"]));
     assert_eq!(tree["p0"]["parent"], "_virtio-pci-p0");
     let bar = &tree["_virtio-pci-p0"]["resources"][0]["PciBar"];
@@ -893,10 +895,24 @@ fn api_fuzz_findings_are_client_errors() {
     small_ram["memory"]["size"] = json!(4096);
     let mut serial = v.config(json!([]));
     serial["serial"] = json!({"mode": "File", "file": v.s("missing/serial.log")});
+    // The entropy source is opened at boot, as upstream: a directory or a
+    // missing file is a 400 there.
+    let mut rng_dir = v.config(json!([]));
+    rng_dir["rng"] = json!({"src": v.s("")});
+    let mut rng_missing = v.config(json!([]));
+    rng_missing["rng"] = json!({"src": v.s("no-such-source")});
+    let mut console_file = v.config(json!([]));
+    console_file["console"] = json!({"mode": "File", "file": v.s("missing/console.log")});
+    let mut socket_taken = v.config(json!([]));
+    socket_taken["serial"] = json!({"mode": "Socket", "socket": img});
     for (c, needle) in [
         (not_a_kernel, "not a Linux kernel"),
         (small_ram, "needs guest memory"),
         (serial, "serial output file"),
+        (rng_dir, "is a directory"),
+        (rng_missing, "no-such-source"),
+        (console_file, "console: cannot create the output file"),
+        (socket_taken, "exists"),
     ] {
         expect(sock, "PUT", "vm.create", Some(c), 204);
         refused(sock, "PUT", "vm.boot", None, 400, needle);

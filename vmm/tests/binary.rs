@@ -263,7 +263,17 @@ fn bad_option_values_are_one_line_and_exit_1() {
         &["--kernel", &kernel, "--pmem", "size=2M"],
         &["--pmem", "file"],
     );
-    refused(&["--kernel", &kernel, "--serial", "pty"], &["serial"]);
+    refused(&["--kernel", &kernel, "--serial", "socket="], &["socket"]);
+    refused(
+        &["--kernel", &kernel, "--console", "socket=/tmp/x"],
+        &["--console", "socket"],
+    );
+    refused(&["--kernel", &kernel, "--rng", "src="], &["--rng", "src"]);
+    refused(
+        &["--kernel", &kernel, "--rng", "bogus=1"],
+        &["--rng", "bogus"],
+    );
+    refused(&["--kernel", &kernel, "--rng", "iommu=maybe"], &["iommu"]);
     refused(&["--kernel", &f.s("missing-kernel")], &["missing-kernel"]);
     // Values upstream parses after its argument parser: exit 1 there too.
     refused(
@@ -486,4 +496,108 @@ fn sigterm_ends_a_running_guest_with_exit_0_after_the_final_barrier() {
     let mut buf = [0u8; 9];
     ro.read_at(&mut buf, 4096).expect("read");
     assert_eq!(&buf, b"pcow data");
+}
+
+#[test]
+fn an_rng_source_that_cannot_serve_is_refused_at_start() {
+    let _serial = common::serial();
+    let f = Fixture::new();
+    let kernel = f.halting_kernel();
+    std::fs::create_dir(f.path("dir")).unwrap();
+    refused(
+        &[
+            "--kernel",
+            &kernel,
+            "--console",
+            "off",
+            "--rng",
+            &format!("src={}", f.s("dir")),
+        ],
+        &["rng source", "is a directory"],
+    );
+    refused(
+        &[
+            "--kernel",
+            &kernel,
+            "--console",
+            "off",
+            "--rng",
+            &format!("src={}", f.s("missing")),
+        ],
+        &["rng source", "missing", "cannot open"],
+    );
+}
+
+/// `--serial socket=` and `--console pty` on a running VM: the socket
+/// takes a client, the pty exists with the logged path, and both are gone
+/// after the exit.
+#[test]
+fn serial_socket_and_console_pty_while_the_guest_runs() {
+    let _serial = common::serial();
+    if !Path::new("/dev/kvm").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no /dev/kvm under CI: this test must run"
+        );
+        println!("SKIPPED: no /dev/kvm");
+        return;
+    }
+    let f = Fixture::new();
+    let kernel = f.halting_kernel();
+    let sock = f.path("serial.sock");
+    let mut child = Command::new(BIN)
+        .args([
+            "--kernel",
+            &kernel,
+            "--memory",
+            "size=64M",
+            "--serial",
+            &format!("socket={}", sock.display()),
+            "--console",
+            "pty",
+            "-v",
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn cloud-hypervisor");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(i) = line.find("console: pseudo-terminal ") {
+                let _ = tx.send(line[i + 25..].trim().to_owned());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    let pty = rx.recv_timeout(Duration::from_secs(30));
+    // Let the machine finish building and the guest start.
+    std::thread::sleep(Duration::from_millis(500));
+    let connected = std::os::unix::net::UnixStream::connect(&sock).is_ok();
+    let pty_exists = pty.as_ref().is_ok_and(|p| Path::new(p).exists());
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = wait_for(&mut child, Duration::from_secs(30));
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let log = reader.join().expect("stderr reader");
+    let pty = pty.unwrap_or_else(|_| panic!("no pty path logged:\n{log}"));
+    assert!(pty.starts_with("/dev/pts/"), "{pty}");
+    assert!(pty_exists, "{pty} missing while the VM ran:\n{log}");
+    assert!(connected, "the serial socket took no client:\n{log}");
+    assert!(
+        log.contains("virtio-rng: /dev/urandom, PCI 0000:00:02.0"),
+        "{log}"
+    );
+    assert!(
+        log.contains("virtio-console: Pty, PCI 0000:00:01.0"),
+        "{log}"
+    );
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(!sock.exists(), "the socket file is left behind");
 }

@@ -135,7 +135,7 @@ impl IrqTrigger for NoIrq {
 
 /// The standard bus: COM1 from `serial`, power ports.
 fn bus(serial: &ConsoleConfig) -> (PortBus, Option<SharedSerial>, PowerEventReceiver) {
-    let serial = SerialDevice::from_config(serial, Box::new(NoIrq))
+    let serial = SerialDevice::from_config(serial, &vmm::chardev::Backend::Null, Box::new(NoIrq))
         .expect("serial")
         .map(SerialDevice::shared);
     let (tx, rx) = power_channel().expect("power channel");

@@ -24,7 +24,7 @@ use super::options::{
 };
 use super::vm_config::{
     ConsoleConfig, CpusConfig, DebugConsoleConfig, MemoryConfig, PciSegmentConfig, PlatformConfig,
-    PmemConfig, VmConfig,
+    PmemConfig, RngConfig, VmConfig,
 };
 use super::{OptionError, OptionParser, ParseError};
 
@@ -225,7 +225,7 @@ const OPTIONS: &[Opt] = &[
     opt(
         "console",
         ConsoleConfig::CONSOLE_SYNTAX,
-        "virtio console (default tty; none is created yet)",
+        "virtio-console, hvc0 in the guest (default tty)",
         Kind::Value,
         Group::Vm,
     ),
@@ -361,7 +361,7 @@ const OPTIONS: &[Opt] = &[
     ),
     opt(
         "rng",
-        "src=<entropy_source_path>",
+        RngConfig::SYNTAX,
         "virtio-rng (default src=/dev/urandom)",
         Kind::Value,
         Group::Vm,
@@ -594,7 +594,7 @@ impl CommandLine {
                 .push(PmemConfig::parse(v)?),
             "serial" => vm.serial = ConsoleConfig::parse_serial(v)?,
             "console" => vm.console = ConsoleConfig::parse_console(v)?,
-            "rng" => vm.rng.src = parse_rng(v)?,
+            "rng" => vm.rng = RngConfig::parse(v)?,
             "debug-console" => vm.debug_console = DebugConsoleConfig::parse(v)?,
             "platform" => vm.platform = Some(PlatformConfig::parse(v)?),
             "pci-segment" => vm
@@ -676,15 +676,4 @@ impl CommandLine {
         }
         Ok(())
     }
-}
-
-/// `--rng src=PATH` (upstream's PCI keys are accepted at their defaults
-/// only: validation refuses the rest).
-fn parse_rng(s: &str) -> Result<std::path::PathBuf, OptionError> {
-    const SYNTAX: &str = "src=<entropy_source_path>";
-    let err = |kind| OptionError::new("rng", s, SYNTAX, kind);
-    let mut p = OptionParser::new();
-    p.add("src");
-    p.parse(s).map_err(err)?;
-    Ok(p.require("src").map_err(err)?.into())
 }

@@ -222,18 +222,25 @@ fn serial_and_console() {
     assert_eq!(s.serial.mode, ConsoleOutputMode::File);
     assert_eq!(s.serial.file, Some(PathBuf::from("/tmp/log")));
     assert_eq!(s.console.mode, ConsoleOutputMode::Off);
-    let syntax = "(syntax: --serial off|null|pty|tty|file=</path/to/a/file>)";
+    let s = vm("--serial socket=/tmp/s.sock");
+    assert_eq!(s.serial.mode, ConsoleOutputMode::Socket);
+    assert_eq!(s.serial.socket, Some(PathBuf::from("/tmp/s.sock")));
+    assert_eq!(
+        err("--console socket=/x"),
+        "--console \"socket=/x\": unknown key `socket` (accepted keys: off, pty, tty, null, \
+         file) (syntax: --console off|null|pty|tty|file=</path/to/a/file>)"
+    );
+    let syntax =
+        "(syntax: --serial off|null|pty|tty|file=</path/to/a/file>|socket=</path/to/a/socket>)";
     for (arg, msg) in [
-        (
-            "socket=/x",
-            "unknown key `socket` (accepted keys: off, pty, tty, null, file)",
-        ),
+        ("socket=", "`socket` needs a value (socket=...)"),
+        ("socket=/x,tty", "`tty` and `socket` exclude each other"),
         ("file", "`file` needs a value (file=...)"),
         ("off=1", "`off` takes no value, got `1`"),
         ("tty,off", "`off` and `tty` exclude each other"),
         (
             "TTY",
-            "unknown key `TTY` (accepted keys: off, pty, tty, null, file)",
+            "unknown key `TTY` (accepted keys: off, pty, tty, null, file, socket)",
         ),
     ] {
         assert_eq!(
@@ -471,6 +478,18 @@ fn json_hostile_values_are_clear_errors() {
     v.console.id = Some("a\nb".into());
     let e = v.validate().unwrap_err().to_string();
     assert_eq!(e, "device id `a\\nb` is used twice");
+    let e = serde_json::from_str::<VmConfig>(r#"{"serial": {"mode": "Sockets"}}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown variant `Sockets`"), "{e}");
+    let e = serde_json::from_str::<PmemConfig>(r#"{"size": 1}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("missing field `file`"), "{e}");
+    let e = serde_json::from_str::<PmemConfig>(r#"{"file": "/a", "size": "1G"}"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("invalid type"), "{e}");
 }
 
 // --- validate() on real files ---
@@ -702,9 +721,10 @@ fn validate_payload_cpus_memory_consoles() {
             .starts_with("memory: size"));
     }
     assert_eq!(check(&|v| v.memory.size = 4096), Ok(()));
+    // Both on Tty: accepted with a warning, as upstream.
     assert_eq!(
-        check(&|v| v.serial = ConsoleConfig::with_mode(ConsoleOutputMode::Tty)).unwrap_err(),
-        "serial and console both on Tty: give --console off (or another serial mode)"
+        check(&|v| v.serial = ConsoleConfig::with_mode(ConsoleOutputMode::Tty)),
+        Ok(())
     );
     assert_eq!(
         check(&|v| v.serial = ConsoleConfig::with_mode(ConsoleOutputMode::File)).unwrap_err(),
@@ -713,15 +733,35 @@ fn validate_payload_cpus_memory_consoles() {
     assert!(check(&|v| v.serial.file = Some("/x".into()))
         .unwrap_err()
         .contains("mode is Null, not File"));
-    assert!(check(&|v| v.serial.mode = ConsoleOutputMode::Pty)
+    assert_eq!(check(&|v| v.serial.mode = ConsoleOutputMode::Pty), Ok(()));
+    // A pty's path, as vm.info reports it after the boot, is accepted back.
+    assert_eq!(
+        check(&|v| {
+            v.console.mode = ConsoleOutputMode::Pty;
+            v.console.file = Some("/dev/pts/3".into())
+        }),
+        Ok(())
+    );
+    assert_eq!(
+        check(&|v| {
+            v.console.mode = ConsoleOutputMode::File;
+            v.console.file = Some("/x".into())
+        }),
+        Ok(())
+    );
+    assert_eq!(
+        check(&|v| v.serial.mode = ConsoleOutputMode::Socket).unwrap_err(),
+        "serial: mode Socket needs a socket path"
+    );
+    assert!(check(&|v| v.serial.socket = Some("/s".into()))
         .unwrap_err()
-        .starts_with("`serial.mode` = Pty is not supported"));
+        .contains("mode is Null, not Socket"));
     assert!(check(&|v| {
-        v.console.mode = ConsoleOutputMode::File;
-        v.console.file = Some("/x".into())
+        v.console.mode = ConsoleOutputMode::Socket;
+        v.console.socket = Some("/s".into())
     })
     .unwrap_err()
-    .starts_with("`console.mode` = File is not supported"));
+    .starts_with("`console.mode` = Socket is not supported"));
 }
 
 #[test]
@@ -823,6 +863,7 @@ fn validate_unsupported_only_at_default() {
             json!([{"pci_segment": 1}]),
             "pci_segments[0].pci_segment",
         ),
+        ("/rng/iommu", serde_json::json!(true), "rng.iommu"),
         (
             "/platform",
             json!({"num_pci_segments": 2}),

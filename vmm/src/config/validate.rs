@@ -20,13 +20,15 @@
 //!   (*ours*: the VM places RAM below the 32-bit hole);
 //! - a kernel is given and is a readable regular file, and so is the
 //!   initramfs when given; the command line has no NUL byte;
-//! - serial and console: `file` only with mode `File` (and required
-//!   there), not both on `Tty`; `Pty` and `Socket` are not supported, and
-//!   the console (virtio-console, which does not exist yet) accepts only
-//!   `Off`, `Null` and upstream's default `Tty`, creating nothing (*ours*);
-//! - device ids (pmem, console, rng) are unique and do not start with
-//!   `__`; pmem devices without one get `_pmem0`, `_pmem1`, ... (skipping
-//!   ids in use);
+//! - serial and console: `file` required with mode `File`, and given
+//!   otherwise only with `Pty` (where it is the terminal's path, as
+//!   upstream reports it); `socket` required with mode `Socket`, which
+//!   only the serial port has (upstream refuses it for the console at
+//!   boot); both on `Tty` is accepted with a warning, as upstream does
+//!   (the serial port then reads standard input, see [`crate::chardev`]);
+//! - rng: `iommu` false (*ours*); the source is opened at boot;
+//! - device ids (pmem, console, rng) are unique and do not start with `__`; pmem devices
+//!   without one get `_pmem0`, `_pmem1`, ... (skipping ids in use);
 //! - each pmem file exists, is a regular file, and no two devices use the
 //!   same file (*ours*); a pcow image (recognised by its magic) opens with
 //!   its chain, has a virtual size that is a multiple of 2 MiB, and `size=`
@@ -105,8 +107,13 @@ pub enum ValidationError {
         what: &'static str,
         mode: ConsoleOutputMode,
     },
-    #[error("serial and console both on Tty: give --console off (or another serial mode)")]
-    DoubleTty,
+    #[error("{what}: mode Socket needs a socket path")]
+    ConsoleSocketMissing { what: &'static str },
+    #[error("{what}: a socket is given but the mode is {mode:?}, not Socket")]
+    ConsoleSocketWithoutSocketMode {
+        what: &'static str,
+        mode: ConsoleOutputMode,
+    },
     #[error(
         "device id `{}`: ids starting with `__` are reserved and ids must not be empty",
         esc(.0)
@@ -315,24 +322,24 @@ fn check_console(what: &'static str, c: &ConsoleConfig, virtio: bool) -> Result<
         // upstream's serial port has no PCI fields (ignored there).
         check_pci(what, c.iommu, c.pci_segment, c.pci_device_id)?;
     }
-    only_absent(&format!("{what}.socket"), &c.socket)?;
-    let supported = match c.mode {
-        ConsoleOutputMode::Pty | ConsoleOutputMode::Socket => false,
-        ConsoleOutputMode::File => !virtio,
-        _ => true,
-    };
-    if !supported {
-        let default = if virtio {
-            "Tty (also Off, Null)"
-        } else {
-            "Null (also Off, Tty, File)"
-        };
-        return unsupported(format!("{what}.mode"), format!("{:?}", c.mode), default);
+    if virtio && c.mode == ConsoleOutputMode::Socket {
+        return unsupported(
+            format!("{what}.mode"),
+            "Socket",
+            "Tty (also Off, Null, Pty, File; Socket is for the serial port)",
+        );
     }
     match (c.mode, &c.file) {
-        (ConsoleOutputMode::File, None) => Err(ValidationError::ConsoleFileMissing { what }),
-        (ConsoleOutputMode::File, Some(_)) | (_, None) => Ok(()),
-        (mode, Some(_)) => Err(ValidationError::ConsoleFileWithoutFileMode { what, mode }),
+        (ConsoleOutputMode::File, None) => {
+            return Err(ValidationError::ConsoleFileMissing { what })
+        }
+        (ConsoleOutputMode::File | ConsoleOutputMode::Pty, _) | (_, None) => {}
+        (mode, Some(_)) => return Err(ValidationError::ConsoleFileWithoutFileMode { what, mode }),
+    }
+    match (c.mode, &c.socket) {
+        (ConsoleOutputMode::Socket, None) => Err(ValidationError::ConsoleSocketMissing { what }),
+        (ConsoleOutputMode::Socket, Some(_)) | (_, None) => Ok(()),
+        (mode, Some(_)) => Err(ValidationError::ConsoleSocketWithoutSocketMode { what, mode }),
     }
 }
 
@@ -363,7 +370,10 @@ impl VmConfig {
         check_console("console", &self.console, true)?;
         if self.serial.mode == ConsoleOutputMode::Tty && self.console.mode == ConsoleOutputMode::Tty
         {
-            return Err(ValidationError::DoubleTty);
+            log::warn!(
+                "serial and console both on tty: both write to standard output, \
+                 the serial port alone reads standard input"
+            );
         }
         let ids = self.pmem_ids()?;
         let mut out = Vec::with_capacity(ids.len());
@@ -456,10 +466,8 @@ impl VmConfig {
             only_empty("payload.fw_cfg_config", &p.fw_cfg_config)?;
         }
         let r = &self.rng;
+        // The source itself is opened (and checked) at boot.
         check_pci("rng", r.iommu, r.pci_segment, r.pci_device_id)?;
-        if r.src != super::RngConfig::default().src {
-            return unsupported("rng.src", r.src.display(), "/dev/urandom");
-        }
         if self.debug_console.mode != ConsoleOutputMode::Off {
             return unsupported(
                 "debug_console.mode",

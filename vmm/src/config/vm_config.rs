@@ -559,13 +559,14 @@ impl PmemConfig {
 pub enum ConsoleOutputMode {
     /// No device.
     Off,
-    /// A new pseudo-terminal (not supported).
+    /// A new pseudo-terminal; its path goes into `file`.
     Pty,
     /// The VMM's standard input and output.
     Tty,
     /// Output to a file.
     File,
-    /// A Unix socket at `socket` (upstream's `--serial socket=`).
+    /// A Unix socket (serial port only): one client at a time gets its
+    /// input and output.
     Socket,
     /// Device present, output discarded.
     Null,
@@ -578,7 +579,8 @@ pub enum ConsoleOutputMode {
 /// port they are ignored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ConsoleConfig {
-    /// Output file, with mode `File`.
+    /// Output file, with mode `File`; with `Pty`, the terminal's path
+    /// once the VM has booted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<PathBuf>,
     /// Output mode.
@@ -604,7 +606,8 @@ pub struct ConsoleConfig {
 
 impl ConsoleConfig {
     /// The `--serial` syntax.
-    pub const SERIAL_SYNTAX: &'static str = "off|null|pty|tty|file=</path/to/a/file>";
+    pub const SERIAL_SYNTAX: &'static str =
+        "off|null|pty|tty|file=</path/to/a/file>|socket=</path/to/a/socket>";
     /// The `--console` syntax.
     pub const CONSOLE_SYNTAX: &'static str = "off|null|pty|tty|file=</path/to/a/file>";
 
@@ -633,15 +636,21 @@ impl ConsoleConfig {
 
     /// Parses a `--serial` value.
     pub fn parse_serial(s: &str) -> Result<Self, OptionError> {
-        Self::parse(s, "serial", Self::SERIAL_SYNTAX)
+        Self::parse(s, "serial", Self::SERIAL_SYNTAX, true)
     }
 
-    /// Parses a `--console` value.
+    /// Parses a `--console` value (no `socket=`: upstream's virtio console
+    /// has none).
     pub fn parse_console(s: &str) -> Result<Self, OptionError> {
-        Self::parse(s, "console", Self::CONSOLE_SYNTAX)
+        Self::parse(s, "console", Self::CONSOLE_SYNTAX, false)
     }
 
-    fn parse(s: &str, option: &'static str, syntax: &'static str) -> Result<Self, OptionError> {
+    fn parse(
+        s: &str,
+        option: &'static str,
+        syntax: &'static str,
+        socket: bool,
+    ) -> Result<Self, OptionError> {
         let err = |kind| OptionError::new(option, s, syntax, kind);
         let mut p = OptionParser::new();
         p.add_valueless("off")
@@ -649,6 +658,9 @@ impl ConsoleConfig {
             .add_valueless("tty")
             .add_valueless("null")
             .add("file");
+        if socket {
+            p.add("socket");
+        }
         p.parse(s).map_err(err)?;
         let modes = [
             ("off", ConsoleOutputMode::Off),
@@ -656,12 +668,18 @@ impl ConsoleConfig {
             ("tty", ConsoleOutputMode::Tty),
             ("null", ConsoleOutputMode::Null),
             ("file", ConsoleOutputMode::File),
+            ("socket", ConsoleOutputMode::Socket),
         ];
         let mut given = modes.iter().filter(|(k, _)| p.is_set(k));
         // Upstream takes the first mode in this order and ignores the rest;
         // two modes are an error here.
+        let expected = if socket {
+            "off|null|pty|tty|file|socket"
+        } else {
+            "off|null|pty|tty|file"
+        };
         let (key, mode) = given.next().copied().ok_or(err(ParseError::Missing {
-            key: "off|null|pty|tty|file".into(),
+            key: expected.into(),
         }))?;
         if let Some((other, _)) = given.next() {
             return Err(err(ParseError::Conflict {
@@ -674,15 +692,21 @@ impl ConsoleConfig {
         } else {
             None
         };
+        let socket = if mode == ConsoleOutputMode::Socket {
+            Some(PathBuf::from(p.require("socket").map_err(err)?))
+        } else {
+            None
+        };
         Ok(ConsoleConfig {
             file,
+            socket,
             ..Self::with_mode(mode)
         })
     }
 }
 
-/// Upstream's `RngConfig` (virtio-rng), its `PciDeviceCommonConfig`
-/// fields first as upstream's flattening puts them.
+/// The virtio-rng device upstream always gives a guest: upstream's
+/// `RngConfig`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RngConfig {
     /// Device id.
@@ -699,6 +723,30 @@ pub struct RngConfig {
     pub pci_device_id: Option<u8>,
     /// Entropy source.
     pub src: PathBuf,
+}
+
+impl RngConfig {
+    /// The `--rng` syntax.
+    pub const SYNTAX: &'static str = "src=<entropy_source_path>,iommu=on|off";
+
+    /// Parses a `--rng` value (`src` defaults to `/dev/urandom`).
+    pub fn parse(s: &str) -> Result<Self, OptionError> {
+        let err = |kind| OptionError::new("rng", s, Self::SYNTAX, kind);
+        let mut p = OptionParser::new();
+        p.add("src").add("iommu");
+        p.parse(s).map_err(err)?;
+        let src = match p.get("src") {
+            Some("") => return Err(err(ParseError::MissingValue { key: "src".into() })),
+            Some(v) => PathBuf::from(v),
+            None => Self::default().src,
+        };
+        let iommu = p.toggle("iommu").map_err(err)?.unwrap_or(false);
+        Ok(RngConfig {
+            src,
+            iommu,
+            ..Self::default()
+        })
+    }
 }
 
 impl Default for RngConfig {

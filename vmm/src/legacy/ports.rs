@@ -439,9 +439,11 @@ mod tests {
     #[test]
     fn serial_off_leaves_its_ports_unknown() {
         let cfg = crate::config::ConsoleConfig::parse_serial("off").unwrap();
-        assert!(SerialDevice::from_config(&cfg, Box::new(NoIrq))
-            .unwrap()
-            .is_none());
+        assert!(
+            SerialDevice::from_config(&cfg, &crate::chardev::Backend::Null, Box::new(NoIrq))
+                .unwrap()
+                .is_none()
+        );
         let mut bus = PortBusBuilder::new().build();
         let mut d = [0u8];
         bus.io_in(COM1_BASE + 5, &mut d);

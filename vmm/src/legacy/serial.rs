@@ -5,11 +5,15 @@
 //!   from the `--serial` [`ConsoleConfig`]: `tty` is the VMM's standard
 //!   output, `file=PATH` a file created if missing and appended to, `null`
 //!   discards it, `off` builds no device at all (the ports are then
-//!   unknown ports). A write to the sink that fails loses the byte: the
-//!   guest cannot be blocked, so THR still reads empty; the error is
-//!   logged (the first, then one line per [`LOG_EVERY`]) and counted.
-//! - **Input**: the VMM's control loop reads its input (stdin for `tty`)
-//!   and feeds the bytes with [`SerialDevice::enqueue_input`], up to
+//!   unknown ports), `pty` and `socket=PATH` go through the bounded
+//!   buffer of their [`crate::chardev`] backend (a pty nobody reads, or a
+//!   socket without client, never blocks the vCPU). A write to the sink
+//!   that fails loses the byte: the guest cannot be blocked, so THR still
+//!   reads empty; the error is logged (the first, then one line per
+//!   [`LOG_EVERY`]) and counted.
+//! - **Input**: the VMM's control loop reads its input (stdin for `tty`,
+//!   the pty, the socket's client) and feeds the bytes with
+//!   [`SerialDevice::enqueue_input`], up to
 //!   [`SerialDevice::input_capacity`] (the 64-byte receive FIFO); the guest
 //!   reads them from RBR with LSR's data-ready bit set while any is left.
 //! - **Interrupts**: the UART raises IRQ 4 through an [`IrqTrigger`], a
@@ -33,6 +37,7 @@ use vm_superio::serial::{Error as UartError, NoEvents};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::chardev::Backend;
 use crate::config::{ConsoleConfig, ConsoleOutputMode};
 use crate::vcpu::PortIo;
 
@@ -58,10 +63,8 @@ pub enum SerialError {
     },
     #[error("serial mode File without a file path (file=PATH)")]
     MissingFile,
-    #[error("serial mode {0:?} is not supported (tty, file=PATH, null or off)")]
-    Unsupported(ConsoleOutputMode),
-    #[error("serial output to a socket ({}) is not supported", .0.display())]
-    Socket(PathBuf),
+    #[error("serial mode {0:?}: its backend was not opened")]
+    NoBackend(ConsoleOutputMode),
     #[error("serial port: raising IRQ {COM1_IRQ} for received data")]
     Interrupt(#[source] io::Error),
 }
@@ -135,11 +138,12 @@ impl SerialOutput {
         })
     }
 
-    /// The sink `--serial` asks for; `None` for `off` (no device).
-    pub fn from_config(cfg: &ConsoleConfig) -> Result<Option<SerialOutput>, SerialError> {
-        if let Some(socket) = &cfg.socket {
-            return Err(SerialError::Socket(socket.clone()));
-        }
+    /// The sink `--serial` asks for; `None` for `off` (no device). `pty`
+    /// and `socket` write into `backend`'s buffered output.
+    pub fn from_config(
+        cfg: &ConsoleConfig,
+        backend: &Backend,
+    ) -> Result<Option<SerialOutput>, SerialError> {
         match cfg.mode {
             ConsoleOutputMode::Off => Ok(None),
             ConsoleOutputMode::Null => Ok(Some(SerialOutput::Null)),
@@ -148,9 +152,12 @@ impl SerialOutput {
                 let path = cfg.file.as_deref().ok_or(SerialError::MissingFile)?;
                 SerialOutput::file(path).map(Some)
             }
-            mode @ (ConsoleOutputMode::Pty | ConsoleOutputMode::Socket) => {
-                Err(SerialError::Unsupported(mode))
-            }
+            mode @ (ConsoleOutputMode::Pty | ConsoleOutputMode::Socket) => match backend {
+                Backend::Pty(_, out) | Backend::Socket(_, out) => {
+                    Ok(Some(SerialOutput::Writer(Box::new(out.writer()))))
+                }
+                _ => Err(SerialError::NoBackend(mode)),
+            },
         }
     }
 }
@@ -219,9 +226,10 @@ impl SerialDevice {
     /// The device `--serial` asks for; `None` for `off`.
     pub fn from_config(
         cfg: &ConsoleConfig,
+        backend: &Backend,
         irq: Box<dyn IrqTrigger>,
     ) -> Result<Option<SerialDevice>, SerialError> {
-        Ok(SerialOutput::from_config(cfg)?.map(|out| SerialDevice::new(out, irq)))
+        Ok(SerialOutput::from_config(cfg, backend)?.map(|out| SerialDevice::new(out, irq)))
     }
 
     /// The device wrapped for sharing.
@@ -556,32 +564,28 @@ mod tests {
     #[test]
     fn config_modes_pick_the_sink() {
         let irq = || Box::new(Count::default()) as Box<dyn IrqTrigger>;
+        let none = Backend::Null;
         let off = ConsoleConfig::parse_serial("off").unwrap();
-        assert!(SerialDevice::from_config(&off, irq()).unwrap().is_none());
+        assert!(SerialDevice::from_config(&off, &none, irq())
+            .unwrap()
+            .is_none());
         let null = ConsoleConfig::parse_serial("null").unwrap();
-        let d = SerialDevice::from_config(&null, irq()).unwrap().unwrap();
+        let d = SerialDevice::from_config(&null, &none, irq())
+            .unwrap()
+            .unwrap();
         assert!(matches!(d.output(), SerialOutput::Null));
         let tty = ConsoleConfig::parse_serial("tty").unwrap();
-        let d = SerialDevice::from_config(&tty, irq()).unwrap().unwrap();
+        let d = SerialDevice::from_config(&tty, &none, irq())
+            .unwrap()
+            .unwrap();
         assert!(matches!(d.output(), SerialOutput::Stdout(_)));
         let pty = ConsoleConfig::with_mode(ConsoleOutputMode::Pty);
-        let e = SerialDevice::from_config(&pty, irq()).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "serial mode Pty is not supported (tty, file=PATH, null or off)"
-        );
+        let e = SerialDevice::from_config(&pty, &none, irq()).unwrap_err();
+        assert_eq!(e.to_string(), "serial mode Pty: its backend was not opened");
         let no_path = ConsoleConfig::with_mode(ConsoleOutputMode::File);
         assert!(matches!(
-            SerialDevice::from_config(&no_path, irq()),
+            SerialDevice::from_config(&no_path, &none, irq()),
             Err(SerialError::MissingFile)
-        ));
-        let socket = ConsoleConfig {
-            socket: Some("/tmp/s".into()),
-            ..ConsoleConfig::with_mode(ConsoleOutputMode::Null)
-        };
-        assert!(matches!(
-            SerialDevice::from_config(&socket, irq()),
-            Err(SerialError::Socket(_))
         ));
     }
 
@@ -591,7 +595,7 @@ mod tests {
         let path = dir.path().join("serial.log");
         for text in [&b"one\n"[..], b"two\n"] {
             let cfg = ConsoleConfig::parse_serial(&format!("file={}", path.display())).unwrap();
-            let mut d = SerialDevice::from_config(&cfg, Box::new(Count::default()))
+            let mut d = SerialDevice::from_config(&cfg, &Backend::Null, Box::new(Count::default()))
                 .unwrap()
                 .unwrap();
             for &b in text {

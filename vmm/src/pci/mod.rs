@@ -1,7 +1,8 @@
 //! PCI: segment 0 with a host bridge, configuration access through ports
 //! 0xcf8/0xcfc and ECAM ([`bus`]), and modern virtio-pci functions with
-//! MSI-X ([`virtio_pci`], [`msix`]) driving a [`VirtioDevice`] such as the
-//! pmem adapter ([`pmem`]).
+//! MSI-X ([`virtio_pci`], [`msix`]) driving a [`VirtioDevice`]: the pmem
+//! adapter ([`pmem`]), the entropy device ([`rng`]) and the console
+//! ([`console`]).
 //!
 //! How accesses flow (the KVM wiring is not here yet):
 //!
@@ -25,8 +26,10 @@
 
 pub mod bus;
 pub mod config;
+pub mod console;
 pub mod msix;
 pub mod pmem;
+pub mod rng;
 pub mod virtio_pci;
 
 pub use bus::{
@@ -34,6 +37,8 @@ pub use bus::{
     ECAM_SIZE,
 };
 pub use config::{ConfigSpace, PciIds};
+pub use console::{ConsoleDevice, ConsoleInput};
 pub use msix::{InterruptSink, MsixEntry};
 pub use pmem::PmemVirtio;
+pub use rng::RngDevice;
 pub use virtio_pci::{VirtioDevice, VirtioError, VirtioPciDevice, VirtioPciError};

@@ -327,12 +327,16 @@ impl VirtioPciDevice {
         config
             .add_capability(&vendor_cap(CAP_ISR_CFG, ISR_OFFSET, 1, ro), ro)
             .map_err(e)?;
-        config
-            .add_capability(
-                &vendor_cap(CAP_DEVICE_CFG, DEVICE_CFG_OFFSET, cfg_len as u64, ro),
-                ro,
-            )
-            .map_err(e)?;
+        // Linux refuses a device capability of length 0: a device without
+        // configuration (virtio-rng) has none.
+        if cfg_len > 0 {
+            config
+                .add_capability(
+                    &vendor_cap(CAP_DEVICE_CFG, DEVICE_CFG_OFFSET, cfg_len as u64, ro),
+                    ro,
+                )
+                .map_err(e)?;
+        }
         let notify_len = nq as u64 * u64::from(NOTIFY_OFF_MULTIPLIER);
         config
             .add_capability(
