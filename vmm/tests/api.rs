@@ -436,6 +436,12 @@ fn lifecycle_states_and_refusals() {
     ] {
         assert!(counters["p0"][k].is_u64(), "p0 counts {k}: {counters}");
     }
+    for k in ["requests", "bytes", "bad_chains"] {
+        assert!(
+            counters["__rng"][k].is_u64(),
+            "__rng counts {k}: {counters}"
+        );
+    }
     // Devices this VMM does not have: a clear 400, never "unknown path".
     for (action, what) in [
         ("vm.add-disk", "virtio-block"),

@@ -845,7 +845,6 @@ fn validate_unsupported_only_at_default() {
         ("/console/iommu", json!(true), "console.iommu"),
         ("/console/pci_segment", json!(1), "console.pci_segment"),
         ("/console/pci_device_id", json!(5), "console.pci_device_id"),
-        ("/rng/src", json!("/dev/random"), "rng.src"),
         ("/rng/iommu", json!(true), "rng.iommu"),
         ("/rng/pci_segment", json!(2), "rng.pci_segment"),
         ("/rng/pci_device_id", json!(1), "rng.pci_device_id"),
