@@ -342,7 +342,7 @@ EOF
             12) mkimg s12 ;;
             13) mkimg s13 ;;
             14) ;; # no image: the guest runs from its initramfs
-            14) mkimg s15 ;;
+            15) mkimg s15 ;;
         esac
     done
     done
