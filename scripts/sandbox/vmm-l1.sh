@@ -951,9 +951,12 @@ sc11() {
 S12_SLACK=64
 # s12_steps LOG: "step barriers found copied held_us scan_us" per step.
 s12_steps() {
+    # The guest's marker and the VMM's log line can share a line (the
+    # guest's text comes first, its newline after the log line): a barrier
+    # logged on a BEGIN line belongs to that step, one on an END line not.
     tr -d '\r' <"$1" | awk '
-        /S12-BEGIN / { cur = $NF; order[++n] = cur; next }
-        /S12-END / { cur = ""; next }
+        match($0, /S12-BEGIN [A-Za-z0-9]+/) { cur = substr($0, RSTART + 10, RLENGTH - 10); order[++n] = cur }
+        /S12-END / { cur = "" }
         /FLUSH barrier: found=/ && cur != "" {
             for (i = 1; i <= NF; i++) {
                 split($i, kv, "=")
