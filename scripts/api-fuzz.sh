@@ -18,19 +18,28 @@
 #            and pmem1, raw raw0), not booted: every operation but
 #            vmm.shutdown, vm.boot and vm.delete;
 #   running  that VM booted: every operation but vmm.shutdown, vm.shutdown
-#            and vm.delete (so that the live pmem paths stay reachable).
-# Checks on every response: no 5xx (not_a_server_error), status code,
-# content type, headers and body as documented, invalid input refused with
-# a 4xx (negative_data_rejection), 405 for undocumented methods; and two of
-# ours across requests (scripts/api-fuzz-hooks.py, which also steers
-# generated bodies towards files and devices that exist): an accepted
-# config boots or is refused with a 4xx, a snapshot just taken can be
-# rolled back to and deleted. After each round the VMM must still be alive;
+#            and vm.delete (so that the live pmem paths stay reachable);
+#            vm.power-button and vm.nmi only when this build delivers them
+#            (probed first: an answer "not wired yet" leaves them out,
+#            SKIPPED in the summary).
+# Checks on every response: status code, content type, headers and body as
+# documented, invalid input refused (negative_data_rejection); and ours
+# (scripts/api-fuzz-hooks.py, which also steers generated bodies towards
+# files and devices that exist): upstream's wire format (no reason phrase,
+# Server and Connection headers, a 204 without Content-Length), the
+# documented error chains, 400 ["Bad Request"] for a method the path does
+# not have, a 5xx only as a documented wrong-state answer (500 ["Error from
+# API", what, why] with a state reason of that action: upstream answers an
+# action in the wrong state so; any other 5xx fails), an accepted config
+# boots or is refused with a 4xx, a snapshot just taken can be rolled back
+# to and deleted. The 5xx in the requests sent are counted again from the
+# cassette (api-fuzz-hooks.py server-errors): any that is not a wrong-state
+# answer fails the round. After each round the VMM must still be alive;
 # then the operations left out are sent on purpose (vm.shutdown and
-# vm.delete where there is a VM, vmm.shutdown last: 204 each), and the VMM
-# must exit with status 0. Exits non-zero on any schemathesis failure, any
-# 5xx, a VMM that died or did not exit cleanly. Needs /dev/kvm (without it:
-# SKIPPED, a failure under CI).
+# vm.delete where there is a VM: 204 each; vmm.shutdown last: 200), and the
+# VMM must exit with status 0. Exits non-zero on any schemathesis failure,
+# any 5xx that is not a wrong-state answer, a VMM that died or did not exit
+# cleanly. Needs /dev/kvm (without it: SKIPPED, a failure under CI).
 #
 # Environment: API_FUZZ_SEED (default 1: runs are reproducible),
 # API_FUZZ_ROUNDS (default "fresh created running"), API_FUZZ_WORKERS
@@ -71,6 +80,9 @@ if ! "$st" --version 2>/dev/null | grep -qx "schemathesis, version $schemathesis
     "$venv/bin/pip" install --quiet "schemathesis==$schemathesis_version"
 fi
 echo "schemathesis: $("$st" --version)"
+# Our checks must tell right answers from wrong ones before they judge
+# the server's.
+"$venv/bin/python" "$root/scripts/api-fuzz-hooks.py" selftest
 # No state carried from one run to the next (schemathesis would replay the
 # failures of earlier runs first): the seed alone decides what is sent.
 config="$cache/schemathesis.toml"
@@ -151,10 +163,14 @@ total_ops=0
 total_requests=0
 total_failures=0
 summary=()
-checks=not_a_server_error,status_code_conformance,content_type_conformance
+checks=status_code_conformance,content_type_conformance
 checks+=,response_headers_conformance,response_schema_conformance
-checks+=,negative_data_rejection,unsupported_method
-checks+=,accepted_vm_config_boots,snapshot_can_be_restored # ours: scripts/api-fuzz-hooks.py
+checks+=,negative_data_rejection
+# Ours (scripts/api-fuzz-hooks.py); the first and the last replace
+# schemathesis' not_a_server_error and unsupported_method (405), which
+# upstream's wire behaviour does not follow.
+checks+=,server_error_is_wrong_state,error_body_shape,wire_format,wrong_method_is_bad_request
+checks+=,accepted_vm_config_boots,snapshot_can_be_restored
 export SCHEMATHESIS_HOOKS="$root/scripts/api-fuzz-hooks.py"
 
 # fuzz ROUND EXCLUDED_OPERATION_ID...: schemathesis on the running VMM.
@@ -170,6 +186,12 @@ fuzz() {
     # The requests our checks send, one line each (the hooks write it).
     export API_FUZZ_EXTRA_LOG="$reports/$round/check-requests.log"
     : >"$API_FUZZ_EXTRA_LOG"
+    # The wrong-state 500s the check accepted, one line each (action, why).
+    export API_FUZZ_WRONG_STATE_LOG="$reports/$round/wrong-state.log"
+    : >"$API_FUZZ_WRONG_STATE_LOG"
+    # The failures the hooks drop (an array body serde reads as a struct).
+    export API_FUZZ_DROPPED_LOG="$reports/$round/dropped.log"
+    : >"$API_FUZZ_DROPPED_LOG"
     # shellcheck disable=SC2086
     "$st" --config-file "$config" run "$root/docs/openapi.yaml" \
         --url "http://127.0.0.1:$port/api/v1" \
@@ -190,8 +212,9 @@ fuzz() {
     # The numbers: operations and failing ones from the JUnit report, the
     # requests and their status codes from the cassette.
     local junit="$reports/$round/junit.xml" vcr="$reports/$round/requests.yaml"
-    local ops=0 failures=0 requests=0 server_errors=0 extra
+    local ops=0 failures=0 requests=0 wrong_state=0 other_5xx=0 extra classified dropped
     extra=$(wc -l <"$API_FUZZ_EXTRA_LOG")
+    dropped=$(wc -l <"$API_FUZZ_DROPPED_LOG")
     if [ -f "$junit" ]; then
         ops=$(sed -nE 's/^<testsuites .* tests="([0-9]+)".*/\1/p' "$junit")
         failures=$(sed -nE 's/^<testsuites errors="([0-9]+)" failures="([0-9]+)".*/\1 + \2/p' "$junit")
@@ -199,22 +222,30 @@ fuzz() {
     fi
     if [ -f "$vcr" ]; then
         requests=$(grep -c '^- id:' "$vcr" || true)
-        server_errors=$(grep -cE "^      code: '5[0-9][0-9]'" "$vcr" || true)
+        # Every 5xx in the cassette, classified again: wrong state or not.
+        classified=$("$venv/bin/python" "$root/scripts/api-fuzz-hooks.py" server-errors "$vcr") \
+            || die "$round: reading $vcr failed"
+        read -r wrong_state other_5xx <<<"$(head -n1 <<<"$classified")"
+        if [ "$other_5xx" -gt 0 ]; then
+            echo "$round: 5xx answers that are not a documented wrong-state answer:"
+            tail -n +2 <<<"$classified"
+        fi
     fi
     total_ops=$((total_ops + ops))
     total_requests=$((total_requests + requests + extra))
     total_failures=$((total_failures + failures))
-    summary+=("$(printf '%-8s operations %3d  requests %6d (+%4d by our checks)  5xx %3d  failures %3d  %4d s' \
-        "$round" "$ops" "$requests" "$extra" "$server_errors" "$failures" "$secs")")
+    summary+=("$(printf '%-8s operations %3d  requests %6d (+%4d by our checks)  500 wrong state %4d  other 5xx %3d  failures %3d (+%d array bodies dropped)  %4d s%s' \
+        "$round" "$ops" "$requests" "$extra" "$wrong_state" "$other_5xx" "$failures" "$dropped" "$secs" "$skipped_note")")
     kill -0 "$vmm_pid" 2>/dev/null \
         || die "$round: the VMM died during the run (see $reports/$round/vmm.log)"
     [ "$rc" -eq 0 ] || die "$round: schemathesis failed (exit $rc; log and reports in $reports/$round/)"
-    [ "$server_errors" -eq 0 ] || die "$round: $server_errors answers with a 5xx status (see $vcr)"
+    [ "$other_5xx" -eq 0 ] || die "$round: $other_5xx answers with a 5xx that is not a wrong-state answer (see $vcr)"
     echo "$round: the VMM is alive"
 }
 
 # finish ROUND ACTION...: the actions left out of the run, on purpose (each
-# a PUT that must answer 204); vmm.shutdown last, and the VMM must exit 0.
+# a PUT that must answer 204); vmm.shutdown last (200, as upstream), and the
+# VMM must exit 0.
 finish() {
     local round=$1
     shift
@@ -222,14 +253,31 @@ finish() {
     for action in "$@"; do
         call PUT "$action" "" 204 >/dev/null || die "$round: $action"
     done
-    call PUT vmm.shutdown "" 204 >/dev/null || die "$round: vmm.shutdown"
+    call PUT vmm.shutdown "" 200 >/dev/null || die "$round: vmm.shutdown"
     local rc=0
     wait "$vmm_pid" || rc=$?
     vmm_pid=""
     [ "$rc" -eq 0 ] || die "$round: the VMM exited with status $rc after vmm.shutdown"
     stop_pid "$bridge_pid"
     bridge_pid=""
-    echo "$round: vmm.shutdown answered 204, the VMM exited 0"
+    echo "$round: vmm.shutdown answered 200, the VMM exited 0"
+}
+
+# probe_delivered ACTION OPERATION_ID: on the running VM, ACTION answers
+# 204, or 500 "not wired yet" (the route exists, the delivery is another
+# change): then the operation is left out of the running round, SKIPPED.
+probe_delivered() {
+    local action=$1 id=$2 out
+    if out=$(call PUT "$action" "" 204); then
+        return 0
+    fi
+    case "$out" in
+        *": 500 "*'"not wired yet"'*)
+            echo "running: SKIPPED $action: the route exists but this build does not deliver it ($out)"
+            undelivered+=("$id")
+            ;;
+        *) die "running: $action on the running VM: $out" ;;
+    esac
 }
 
 t_start=$SECONDS
@@ -239,20 +287,27 @@ for round in $rounds; do
     case "$round" in
         fresh)
             start_vmm fresh
-            fuzz fresh vmmShutdown
+            skipped_note=""
+            fuzz fresh shutdownVMM
             finish fresh vm.delete
             ;;
         created)
             start_vmm created
             make_vm
-            fuzz created vmmShutdown bootVM deleteVM
+            skipped_note=""
+            fuzz created shutdownVMM bootVM deleteVM
             finish created vm.delete
             ;;
         running)
             start_vmm running
             make_vm
             call PUT vm.boot "" 204 >/dev/null
-            fuzz running vmmShutdown shutdownVM deleteVM
+            undelivered=()
+            probe_delivered vm.power-button power-buttonVM
+            probe_delivered vm.nmi nmiVM
+            skipped_note=""
+            [ "${#undelivered[@]}" -eq 0 ] || skipped_note="  (SKIPPED: ${undelivered[*]}, not wired in this build)"
+            fuzz running shutdownVMM shutdownVM deleteVM "${undelivered[@]}"
             finish running vm.shutdown vm.delete
             ;;
         *) die "unknown round '$round' (fresh, created, running)" ;;
@@ -265,4 +320,4 @@ printf '%s\n' "${summary[@]}"
 echo "total: $total_ops operations tested over the rounds (and vmm.shutdown on purpose after each)," \
     "$total_requests requests, $total_failures failures, $((SECONDS - t_start)) s"
 [ "$total_failures" = 0 ] || die "failures found"
-echo "api-fuzz.sh: no 5xx, no failed check, the VMM never died and exited 0 on vmm.shutdown"
+echo "api-fuzz.sh: no 5xx but documented wrong-state answers, no failed check, the VMM never died and exited 0 on vmm.shutdown"
