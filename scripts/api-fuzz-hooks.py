@@ -303,6 +303,10 @@ WRONG_STATE = {
     "vm.counters": [NOT_RUNNING],
     "vm.power-button": [NOT_RUNNING],
     "vm.nmi": [NOT_RUNNING],
+    # Refused features whose state upstream checks first (a booted VM).
+    "vm.snapshot": [NOT_RUNNING],
+    "vm.coredump": [NOT_RUNNING],
+    "vm.send-migration": [NOT_RUNNING],
     "vm.resize": [
         rf"VM is {STATE}: resizing it needs (vCPU|memory) hot-plug, which this VMM does not have; "
         r"vm\.shutdown, vm\.resize, then vm\.boot"
