@@ -169,8 +169,15 @@ req overlay PUT vm.pmem-overlay '{"id":"p0","file":"/ov.pcow"}'
 req rollback PUT vm.pmem-rollback '{"id":"p0","snapshot":"t1","reset":true}'
 req snapshot-delete PUT vm.pmem-snapshot-delete '{"id":"p0","snapshot":"1"}'
 req flush PUT vm.pmem-flush '{"id":"p0"}'
+req counters GET vm.counters
 req power-button PUT vm.power-button
 req nmi PUT vm.nmi
+req resize PUT vm.resize '{"desired_vcpus":2,"desired_ram":1073741824,"desired_balloon":0}'
+req remove-device PUT vm.remove-device '{"id":"p1"}'
+req add-disk PUT vm.add-disk '{"path":"/d.raw","readonly":false,"id":"d0"}'
+req snapshot-vm PUT vm.snapshot '{"destination_url":"file:///snap"}'
+req restore PUT vm.restore '{"source_url":"file:///snap","prefault":false,"memory_restore_mode":"Copy","resume":false}'
+req vmm-shutdown PUT vmm.shutdown
 
 # options: values of each option kind.
 opt_dir="$root/fuzz/corpus/options"

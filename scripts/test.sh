@@ -70,8 +70,9 @@ cargo test --workspace --no-fail-fast
 
 # The REST API against its description, docs/openapi.yaml: schemathesis
 # (from PyPI, into .cache/api-fuzz/) generates requests from it for a VMM
-# with no VM, a created VM and a running one (scripts/api-fuzz.sh): any 5xx,
-# failed conformance check or VMM death fails. API_FUZZ=0 skips this step
+# with no VM, a created VM and a running one (scripts/api-fuzz.sh): any 5xx
+# but a documented wrong-state answer (upstream's 500), failed conformance
+# check or VMM death fails. API_FUZZ=0 skips this step
 # (and says so).
 if [ "${API_FUZZ:-1}" != 0 ]; then
     step "API property-based test: schemathesis on docs/openapi.yaml (scripts/api-fuzz.sh)"

@@ -22,6 +22,9 @@ fuzz_target!(|data: &[u8]| {
         "vm.add-pmem",
         "vm.pmem-snapshot",
         "vm.pmem-rollback",
+        "vm.resize",
+        "vm.remove-device",
+        "vm.add-disk",
     ] {
         let _ = vmm::api::routes::route("PUT", &format!("/api/v1/{action}"), data);
     }
