@@ -758,7 +758,7 @@ sc10_api() {
     [ $arc -eq 0 ] || { why="s10-fill: resume after freeing space: rc=$arc ($(api_err s10-resume))"; return 1; }
     api s10-info-running info
     [ "$(json_state s10-info-running)" = Running ] || { why="s10-fill: state after the resume '$(json_state s10-info-running)'"; return 1; }
-    flat_json s10-info-running | grep -q '"pause_reason":null' || { why="s10-fill: pause_reason not cleared: $(flat_json s10-info-running | cut -c1-200)"; return 1; }
+    ! flat_json s10-info-running | grep -q '"pause_reason"' || { why="s10-fill: pause_reason not cleared (vm.info leaves it out once the VM runs again): $(flat_json s10-info-running | cut -c1-200)"; return 1; }
 }
 sc10() {
     [ "$VMM" = ch ] || { why="needs our VMM (pause on a full disk, the API)"; return 1; }
