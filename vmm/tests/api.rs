@@ -16,7 +16,7 @@ use pcow::{CreateOptions, Image, OpenOptions};
 use serde_json::{json, Value};
 
 mod common;
-use common::halting_kernel;
+use common::{call, exchange, halting_kernel};
 
 const BIN: &str = env!("CARGO_BIN_EXE_cloud-hypervisor");
 const MIB: u64 = 1 << 20;
@@ -25,61 +25,6 @@ const MIB: u64 = 1 << 20;
 fn call_raw(sock: &Path, raw: &[u8]) -> (u16, String) {
     let (status, _, body) = exchange(sock, raw);
     (status, body)
-}
-
-/// One request on a new connection: (status, head, body).
-fn exchange(sock: &Path, raw: &[u8]) -> (u16, String, String) {
-    let mut s = UnixStream::connect(sock).expect("connect to the API socket");
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(raw).expect("send");
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    // Read the head, then Content-Length bytes.
-    let (head_end, len) = loop {
-        let n = s.read(&mut buf).expect("read");
-        assert!(n > 0, "connection closed before a response: {out:?}");
-        out.extend_from_slice(&buf[..n]);
-        if let Some(p) = out.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&out[..p]).to_string();
-            let len = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse::<usize>().unwrap())
-                })
-                .unwrap_or(0);
-            break (p + 4, len);
-        }
-    };
-    while out.len() < head_end + len {
-        let n = s.read(&mut buf).expect("read body");
-        assert!(n > 0, "connection closed in the body");
-        out.extend_from_slice(&buf[..n]);
-    }
-    let head = String::from_utf8_lossy(&out[..head_end]).to_string();
-    let status = head[9..12].parse().expect("status code");
-    if len > 0 {
-        assert!(
-            head.contains("Content-Type: application/json"),
-            "JSON content type: {head}"
-        );
-    }
-    (
-        status,
-        head,
-        String::from_utf8_lossy(&out[head_end..head_end + len]).to_string(),
-    )
-}
-
-fn call(sock: &Path, method: &str, action: &str, body: Option<&Value>) -> (u16, String) {
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
-    let raw = format!(
-        "{method} /api/v1/{action} HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    call_raw(sock, raw.as_bytes())
 }
 
 /// Expects `status`; returns the body as JSON (Null for none).

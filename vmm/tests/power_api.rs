@@ -11,8 +11,6 @@
 //!
 //! Without a booted VM both answer upstream's 500 "VM is not running".
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -20,53 +18,12 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod common;
-use common::halting_kernel;
+use common::{call, halting_kernel};
 
 const BIN: &str = env!("CARGO_BIN_EXE_cloud-hypervisor");
 const MIB: u64 = 1 << 20;
 /// How long the VMM gets for a guest reset to show in its log.
 const RESET_DEADLINE: Duration = Duration::from_secs(20);
-
-/// One request with no body on a new connection: (status, body).
-fn call(sock: &Path, method: &str, action: &str, body: Option<&Value>) -> (u16, String) {
-    let body = body.map(|b| b.to_string()).unwrap_or_default();
-    let raw = format!(
-        "{method} /api/v1/{action} HTTP/1.1\r\nHost: localhost\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let mut s = UnixStream::connect(sock).expect("connect to the API socket");
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(raw.as_bytes()).expect("send");
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = s.read(&mut buf).expect("read");
-        assert!(n > 0, "connection closed before a whole response: {out:?}");
-        out.extend_from_slice(&buf[..n]);
-        let Some(p) = out.windows(4).position(|w| w == b"\r\n\r\n") else {
-            continue;
-        };
-        let head = String::from_utf8_lossy(&out[..p]).to_string();
-        let len = head
-            .lines()
-            .find_map(|l| {
-                l.to_ascii_lowercase()
-                    .strip_prefix("content-length:")
-                    .map(|v| v.trim().parse::<usize>().unwrap())
-            })
-            .unwrap_or(0);
-        if out.len() < p + 4 + len {
-            continue;
-        }
-        // "HTTP/1.1 204" with or without a reason phrase.
-        let status = head[9..12].parse().expect("status code");
-        return (
-            status,
-            String::from_utf8_lossy(&out[p + 4..p + 4 + len]).to_string(),
-        );
-    }
-}
 
 fn ok(sock: &Path, action: &str) {
     let (st, body) = call(sock, "PUT", action, None);

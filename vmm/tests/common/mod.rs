@@ -1,8 +1,13 @@
 //! Fixtures shared by the binary's tests.
 #![allow(dead_code)] // each test binary uses a part
 
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde_json::Value;
 
 /// Serializes the tests of one binary. A test that spawns the VMM forks,
 /// and a forked child holds the parent's open files, and so their flock
@@ -48,4 +53,60 @@ pub fn halting_kernel(path: &Path) {
     e.resize(0x1000, 0);
     e.extend_from_slice(&code);
     std::fs::write(path, e).unwrap();
+}
+
+/// One request on a new connection: (status, head, body).
+pub fn exchange(sock: &Path, raw: &[u8]) -> (u16, String, String) {
+    let mut s = UnixStream::connect(sock).expect("connect to the API socket");
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(raw).expect("send");
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Read the head, then Content-Length bytes.
+    let (head_end, len) = loop {
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "connection closed before a response: {out:?}");
+        out.extend_from_slice(&buf[..n]);
+        if let Some(p) = out.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&out[..p]).to_string();
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap())
+                })
+                .unwrap_or(0);
+            break (p + 4, len);
+        }
+    };
+    while out.len() < head_end + len {
+        let n = s.read(&mut buf).expect("read body");
+        assert!(n > 0, "connection closed in the body");
+        out.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&out[..head_end]).to_string();
+    let status = head[9..12].parse().expect("status code");
+    if len > 0 {
+        assert!(
+            head.contains("Content-Type: application/json"),
+            "JSON content type: {head}"
+        );
+    }
+    (
+        status,
+        head,
+        String::from_utf8_lossy(&out[head_end..head_end + len]).to_string(),
+    )
+}
+
+pub fn call(sock: &Path, method: &str, action: &str, body: Option<&Value>) -> (u16, String) {
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let raw = format!(
+        "{method} /api/v1/{action} HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (status, _, body) = exchange(sock, raw.as_bytes());
+    (status, body)
 }
