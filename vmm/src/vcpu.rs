@@ -43,12 +43,17 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use virtio_pmem_pcow::Quiesce;
+use virtio_pmem_pcow::{Quiesce, QuiesceError};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 /// How often a pause re-kicks vCPUs that have not acknowledged it.
 pub const REKICK: Duration = Duration::from_millis(2);
+/// How long [`VcpuControl::pause`] waits for every vCPU to leave
+/// `KVM_RUN`: a vCPU that does not is stuck (in a fault nobody serves, or
+/// in the kernel), and the pause (or the barrier that asked for it) fails
+/// naming it instead of hanging the VMM.
+pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long [`VcpuControl::nmi`] waits for the running vCPUs to take their
 /// NMI; one still inside `KVM_RUN` then gets it at its next exit.
 pub const NMI_WAIT: Duration = Duration::from_secs(1);
@@ -90,6 +95,8 @@ pub enum VcpuError {
     },
     #[error("the thread of vCPU {0} panicked")]
     Panicked(u8),
+    #[error("vCPU(s) {vcpus:?} did not leave KVM_RUN within {} ms of the pause", waited.as_millis())]
+    PauseTimeout { vcpus: Vec<usize>, waited: Duration },
 }
 
 /// Port I/O from the guest. The default `io_in` answers zeros.
@@ -306,18 +313,41 @@ impl VcpuControl {
 
     /// Pauses every vCPU; returns once none is inside `KVM_RUN` (vCPUs
     /// started later wait before their first run). Nests with
-    /// [`VcpuControl::resume`].
-    pub fn pause(&self) {
+    /// [`VcpuControl::resume`]. Fails, naming the vCPUs still running and
+    /// with the pause undone, when they have not stopped within
+    /// [`PAUSE_TIMEOUT`].
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        self.pause_within(PAUSE_TIMEOUT)
+    }
+
+    /// [`VcpuControl::pause`] with a deadline of `limit`.
+    pub fn pause_within(&self, limit: Duration) -> Result<(), VcpuError> {
+        let start = std::time::Instant::now();
         let mut s = self.lock();
         s.holds += 1;
         while !s.quiet() {
+            let waited = start.elapsed();
+            if waited >= limit {
+                let vcpus = s
+                    .vcpus
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, st)| matches!(st, RunState::Running(_)))
+                    .map(|(i, _)| i)
+                    .collect();
+                s.holds -= 1;
+                drop(s);
+                self.cv.notify_all();
+                return Err(VcpuError::PauseTimeout { vcpus, waited });
+            }
             Self::kick_running(&s);
             s = self
                 .cv
-                .wait_timeout(s, REKICK)
+                .wait_timeout(s, REKICK.min(limit - waited))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+        Ok(())
     }
 
     /// Undoes one [`VcpuControl::pause`].
@@ -421,8 +451,8 @@ impl VcpuControl {
 }
 
 impl Quiesce for VcpuControl {
-    fn hold(&self) {
-        self.pause();
+    fn hold(&self) -> Result<(), QuiesceError> {
+        self.pause().map_err(|e| QuiesceError(Box::new(e)))
     }
 
     fn release(&self) {
@@ -672,7 +702,7 @@ mod tests {
         let ctl = VcpuControl::new().unwrap();
         let a = ctl.register();
         // A starting vCPU does not block a pause.
-        ctl.pause();
+        ctl.pause().unwrap();
         ctl.resume();
         // A "running" vCPU (a plain thread playing one) must acknowledge.
         let c = ctl.clone();
@@ -687,9 +717,9 @@ mod tests {
             (runs, stats)
         });
         std::thread::sleep(Duration::from_millis(20));
-        ctl.pause();
+        ctl.pause().unwrap();
         assert_eq!(ctl.paused(), 1);
-        ctl.pause(); // nested
+        ctl.pause().unwrap(); // nested
         ctl.resume();
         assert_eq!(ctl.paused(), 1);
         ctl.resume();
@@ -698,8 +728,34 @@ mod tests {
         assert!(runs > 0);
         assert!(stats.pauses >= 1);
         // Everything exited: a pause returns at once.
-        ctl.pause();
+        ctl.pause().unwrap();
         ctl.resume();
+    }
+
+    #[test]
+    fn a_pause_that_a_vcpu_never_acknowledges_fails_naming_it_and_holds_nothing() {
+        let ctl = VcpuControl::new().unwrap();
+        let _a = ctl.register();
+        let b = ctl.register();
+        // vCPU 1 "enters KVM_RUN" and never comes back to check the flags
+        // (a vCPU stuck in the kernel); vCPU 0 is still starting.
+        let mut stats = VcpuStats::default();
+        assert_eq!(ctl.may_run(b, &mut stats), Next::Run { nmi: false });
+        let t = std::time::Instant::now();
+        let e = ctl.pause_within(Duration::from_millis(50)).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(2));
+        match &e {
+            VcpuError::PauseTimeout { vcpus, waited } => {
+                assert_eq!(vcpus, &[1]);
+                assert!(*waited >= Duration::from_millis(50));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(e.to_string().contains("[1]"), "{e}");
+        // The failed pause is undone: the vCPU runs on without a resume.
+        assert_eq!(ctl.may_run(b, &mut stats), Next::Run { nmi: false });
+        assert_eq!(stats.pauses, 0);
+        ctl.stop();
     }
 
     #[test]
@@ -711,7 +767,7 @@ mod tests {
         // The "exit": a handler that would block on something the pausing
         // thread holds must not keep the pause waiting.
         ctl.handling(a);
-        ctl.pause();
+        ctl.pause().unwrap();
         assert_eq!(ctl.paused(), 0, "handling, not paused");
         let c = ctl.clone();
         let t = std::thread::spawn(move || {

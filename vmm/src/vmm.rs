@@ -318,7 +318,10 @@ impl Vmm {
         let Some(vm) = self.vm.as_mut() else { return };
         let Some(m) = vm.machine.as_mut() else { return };
         if vm.state == VmState::Running {
-            m.ctl.pause();
+            if let Err(e) = m.ctl.pause() {
+                log::error!("pausing the VM for space: {}", control::error_chain(&e));
+                return;
+            }
             vm.state = VmState::Paused;
             event("vm", "paused", &[("reason", &why)]);
         }
@@ -901,7 +904,9 @@ impl RequestHandler for Vmm {
                     return Err(wrong_state(format!("VM is {}, not Running", state.name())));
                 }
                 event("vm", "pausing", &[]);
-                m.ctl.pause();
+                m.ctl
+                    .pause()
+                    .map_err(|e| ApiError::with_source(500, "pausing the VM", &e))?;
                 *state = VmState::Paused;
                 event("vm", "paused", &[]);
                 Ok(None)

@@ -244,7 +244,7 @@ fn pause_kicks_a_spinning_vcpu_out_of_kvm_run() {
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(20));
         let start = Instant::now();
-        ctl.pause();
+        ctl.pause().unwrap();
         worst = worst.max(start.elapsed());
         assert_eq!(ctl.paused(), 1);
         ctl.resume();
@@ -308,7 +308,7 @@ fn nmi_reaches_a_spinning_guest_and_a_paused_one_at_resume() {
     assert_eq!(first, 1, "one NMI, one report: {:?}", port.reports());
 
     // Paused: the NMI waits for the resume.
-    ctl.pause();
+    ctl.pause().unwrap();
     let start = Instant::now();
     assert_eq!(ctl.nmi(), 1);
     assert!(

@@ -60,16 +60,21 @@ use crate::region::{ClusterState, RegionState};
 /// Holds the guest's writers for a barrier. A VMM pauses its vCPUs; tests
 /// use [`WriteGate`].
 ///
-/// `hold` must not wait for something that only the monitor can release
-/// unless the monitor runs on another thread (a vCPU blocked in a fault
-/// inside `KVM_RUN` is released by the monitor, or interrupted by the
-/// pause signal).
+/// The monitor serves faults on a thread of its own, so a writer blocked
+/// in a fault is released while `hold` waits for it.
 pub trait Quiesce: Send + Sync {
-    /// Returns once no writer runs and none will start until `release`.
-    fn hold(&self);
-    /// Lets writers run again.
+    /// Returns once no writer runs and none will start until `release`;
+    /// or fails (a writer did not stop in time) with nothing held.
+    fn hold(&self) -> Result<(), QuiesceError>;
+    /// Lets writers run again (after a `hold` that succeeded).
     fn release(&self);
 }
+
+/// Why the guest's writers could not be held (e.g. a vCPU that did not
+/// leave `KVM_RUN` within the VMM's deadline); nothing is held.
+#[derive(Debug, thiserror::Error)]
+#[error("holding the guest's writers")]
+pub struct QuiesceError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
 
 /// Releases the hold when dropped (also on an early error return).
 struct Held<'a>(&'a dyn Quiesce);
@@ -81,9 +86,9 @@ impl Drop for Held<'_> {
 }
 
 /// Holds writers for the lifetime of the returned guard.
-pub(crate) fn hold(q: &dyn Quiesce) -> impl Drop + '_ {
-    q.hold();
-    Held(q)
+pub(crate) fn hold(q: &dyn Quiesce) -> Result<impl Drop + '_, QuiesceError> {
+    q.hold()?;
+    Ok(Held(q))
 }
 
 /// A writer-preferring gate: writers [`enter`](WriteGate::enter) around each
@@ -138,7 +143,7 @@ impl Drop for GateEntry<'_> {
 }
 
 impl Quiesce for WriteGate {
-    fn hold(&self) {
+    fn hold(&self) -> Result<(), QuiesceError> {
         let mut s = self.lock();
         s.waiting += 1;
         while s.held || s.writers > 0 {
@@ -146,6 +151,7 @@ impl Quiesce for WriteGate {
         }
         s.waiting -= 1;
         s.held = true;
+        Ok(())
     }
 
     fn release(&self) {
@@ -186,6 +192,8 @@ pub enum BarrierError {
     },
     #[error("region state lock poisoned by a panic")]
     Poisoned,
+    #[error("barrier")]
+    Quiesce(#[from] QuiesceError),
     #[error(
         "rollback of a running device is refused: it would replace what the guest sees; \
          stop the VM and use `pcow-img snapshot -a`"
@@ -842,7 +850,7 @@ pub(crate) fn with_hold<T>(
     q: &dyn Quiesce,
     f: impl FnOnce() -> Result<T, BarrierError>,
 ) -> Result<(T, Duration), BarrierError> {
-    let _held = hold(q);
+    let _held = hold(q)?;
     let t = Instant::now();
     let r = f()?;
     Ok((r, t.elapsed()))

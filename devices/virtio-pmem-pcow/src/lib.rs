@@ -27,6 +27,7 @@ pub mod barrier;
 pub mod device;
 pub mod fault_poll;
 pub mod monitor;
+pub mod monitor_thread;
 pub mod pagemap;
 pub mod pcow_device;
 pub mod pool;
@@ -35,11 +36,12 @@ pub mod region;
 pub mod request;
 pub mod uffd;
 
-pub use barrier::{is_out_of_space, BarrierError, BarrierStats, Quiesce, WriteGate};
+pub use barrier::{is_out_of_space, BarrierError, BarrierStats, Quiesce, QuiesceError, WriteGate};
 pub use device::{
     FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE,
 };
 pub use monitor::{FaultCounters, Monitor, MonitorError};
+pub use monitor_thread::{MonitorReport, MonitorThread};
 pub use pcow_device::{OverlayError, OverlayInfo, PcowRegion, Status};
 pub use pool::{PoolOptions, PoolStatus};
 pub use raw::{RawError, RawRegion};

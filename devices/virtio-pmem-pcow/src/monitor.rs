@@ -333,6 +333,9 @@ pub struct Monitor {
     pub(crate) pool_efd: Option<Arc<EventFd>>,
     /// Only the thread handling the userfaultfd takes it.
     pub(crate) poll: Mutex<FaultPoll>,
+    /// Set when a write fault found the file system full and the region
+    /// had no such failure recorded yet; taken by the monitor thread.
+    pub(crate) space_alert: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Monitor {
@@ -428,7 +431,13 @@ impl Monitor {
                             dev.pool.note_inline();
                         }
                     }
-                    Ok(Resolved::Fallback(msg)) => dev.pool.note_failure(msg),
+                    Ok(Resolved::Fallback(msg)) => {
+                        if dev.region.out_of_space.is_some() {
+                            self.space_alert
+                                .store(true, std::sync::atomic::Ordering::Release);
+                        }
+                        dev.pool.note_failure(msg)
+                    }
                     Ok(Resolved::Zeroed | Resolved::Woken) => {}
                     Err(e) => {
                         log::error!("userfaultfd: {e}");
@@ -475,6 +484,13 @@ impl Monitor {
         // `PoolCtl::request`): a full disk does not make the worker spin.
         dev.pool.request(&dev.region.image);
         Ok(n)
+    }
+
+    /// Whether a write fault found the file system full since the last
+    /// call (then [`crate::PcowRegion::out_of_space`] says why).
+    pub fn take_space_alert(&self) -> bool {
+        self.space_alert
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
     }
 
     /// Counters so far.

@@ -464,6 +464,7 @@ impl PcowRegion {
                 uffd,
                 pool_efd,
                 poll: Mutex::new(FaultPoll::new(fault_poll)),
+                space_alert: Default::default(),
             },
         ))
     }
@@ -500,7 +501,7 @@ impl PcowRegion {
     pub fn barrier(&self) -> Result<BarrierStats, BarrierError> {
         // Hold first, lock second: the monitor must be able to serve a
         // writer's fault while the hold waits for that writer.
-        let held = hold(&*self.quiesce);
+        let held = hold(&*self.quiesce)?;
         let t = Instant::now();
         let mut g = self.lock()?;
         let dev = &mut *g;
@@ -591,7 +592,7 @@ impl PcowRegion {
     /// continues on it. See the module documentation for the steps and
     /// what a failure leaves.
     pub fn overlay(&self, new_file: &Path) -> Result<OverlayInfo, OverlayError> {
-        let _held = hold(&*self.quiesce);
+        let _held = hold(&*self.quiesce).map_err(BarrierError::from)?;
         let t = Instant::now();
         let mut g = self.dev.lock().map_err(|_| OverlayError::Poisoned)?;
         let dev = &mut *g;

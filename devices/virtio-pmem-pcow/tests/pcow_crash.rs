@@ -268,10 +268,11 @@ struct CountingGate {
 }
 
 impl Quiesce for CountingGate {
-    fn hold(&self) {
-        self.gate.hold();
+    fn hold(&self) -> Result<(), virtio_pmem_pcow::QuiesceError> {
+        self.gate.hold()?;
         *self.last_hold.lock().unwrap() =
             self.done.iter().map(|d| d.load(Ordering::SeqCst)).collect();
+        Ok(())
     }
     fn release(&self) {
         self.gate.release();

@@ -37,10 +37,11 @@ struct MarkingGate {
 }
 
 impl Quiesce for MarkingGate {
-    fn hold(&self) {
-        self.gate.hold();
+    fn hold(&self) -> Result<(), virtio_pmem_pcow::QuiesceError> {
+        self.gate.hold()?;
         let n = self.log.lock().unwrap().len();
         self.marks.lock().unwrap().push(n);
+        Ok(())
     }
     fn release(&self) {
         self.gate.release();

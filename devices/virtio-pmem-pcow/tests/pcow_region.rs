@@ -317,10 +317,11 @@ struct MarkingGate {
 }
 
 impl Quiesce for MarkingGate {
-    fn hold(&self) {
-        self.gate.hold();
+    fn hold(&self) -> Result<(), virtio_pmem_pcow::QuiesceError> {
+        self.gate.hold()?;
         let n = self.log.lock().unwrap().len();
         self.marks.lock().unwrap().push(n);
+        Ok(())
     }
     fn release(&self) {
         self.gate.release();
@@ -633,8 +634,9 @@ struct CommitAtRelease {
 }
 
 impl Quiesce for CommitAtRelease {
-    fn hold(&self) {
-        self.gate.hold();
+    fn hold(&self) -> Result<(), virtio_pmem_pcow::QuiesceError> {
+        self.gate.hold()?;
+        Ok(())
     }
     fn release(&self) {
         let g = generation_on_disk(&self.path, K64);
