@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::monitor::Uffd;
+use virtio_pmem_pcow::Uffd;
 use virtio_pmem_pcow::{PcowRegion, Quiesce, RegionOptions, WriteGate};
 
 const CHILD_PATH: &str = "PCOW_CRASH_CHILD_IMAGE";

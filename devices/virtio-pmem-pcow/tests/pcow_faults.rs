@@ -229,7 +229,7 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
     };
     let (region, monitor) =
         PcowRegion::from_image_with(image, gate.clone(), &opts, &PoolOptions::inline()).unwrap();
-    let monitor = MonitorThread::spawn(monitor);
+    let monitor = serve(monitor);
     let region = Arc::new(region);
     let mut dev = PmemDevice::new(1 << 32, region.len(), Backend(region.clone()));
     let mut g = Guest {
