@@ -314,39 +314,61 @@ impl OverlayPlan {
 /// A byte vector standing in for a file: the image the region holds while
 /// the real one is closed during an overlay (never used for I/O by the
 /// device: the state lock is held until the real image is back).
-#[derive(Debug, Default)]
-struct MemStorage(Vec<u8>);
+#[derive(Debug, Default, Clone)]
+struct MemStorage(Arc<Mutex<Vec<u8>>>);
+
+impl MemStorage {
+    fn bytes(&self) -> MutexGuard<'_, Vec<u8>> {
+        // A plain byte vector: a panic while holding it leaves it whole.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
 
 impl pcow::io::Storage for MemStorage {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let eof = || io::Error::from(io::ErrorKind::UnexpectedEof);
+        let bytes = self.bytes();
         let start = usize::try_from(offset).map_err(|_| eof())?;
         let end = start
             .checked_add(buf.len())
-            .filter(|&e| e <= self.0.len())
+            .filter(|&e| e <= bytes.len())
             .ok_or_else(eof)?;
-        buf.copy_from_slice(&self.0[start..end]);
+        buf.copy_from_slice(&bytes[start..end]);
         Ok(())
     }
     fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
         let big = || io::Error::from_raw_os_error(libc::EFBIG);
+        let mut bytes = self.bytes();
         let start = usize::try_from(offset).map_err(|_| big())?;
         let end = start.checked_add(buf.len()).ok_or_else(big)?;
-        if end > self.0.len() {
-            self.0.resize(end, 0);
+        if end > bytes.len() {
+            bytes.resize(end, 0);
         }
-        self.0[start..end].copy_from_slice(buf);
+        bytes[start..end].copy_from_slice(buf);
         Ok(())
     }
     fn sync(&mut self) -> io::Result<()> {
         Ok(())
     }
     fn len(&self) -> io::Result<u64> {
-        Ok(self.0.len() as u64)
+        Ok(self.bytes().len() as u64)
     }
     fn set_len(&mut self, len: u64) -> io::Result<()> {
         let len = usize::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
-        self.0.resize(len, 0);
+        self.bytes().resize(len, 0);
+        Ok(())
+    }
+    /// The same bytes (a clone shares them).
+    fn commit_io(&self) -> io::Result<Box<dyn pcow::io::CommitIo>> {
+        Ok(Box::new(self.clone()))
+    }
+}
+
+impl pcow::io::CommitIo for MemStorage {
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        pcow::io::Storage::write_at(self, buf, offset)
+    }
+    fn sync(&mut self) -> io::Result<()> {
         Ok(())
     }
 }
