@@ -37,10 +37,10 @@
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use pcow::{ClusterSource, Image};
+use pcow::{ClusterSource, Commit, Image};
 
 use crate::clusters::{index_runs, push_run, ClusterState, FileRun};
-use crate::harvest::{Harvest, Tracking};
+use crate::harvest::{merge_harvest, Harvest, Tracking};
 use crate::mapping::{MapsError, PAGE_SIZE};
 use crate::pagemap::PagemapError;
 use crate::quiesce::{hold, Quiesce, QuiesceError};
@@ -226,8 +226,9 @@ fn move_held(st: &mut RegionState, stats: &mut BarrierStats) -> Result<Moved, Ba
     }
 }
 
-/// The second half, under the state lock: makes the moved pages durable
-/// and commits the metadata. On failure the harvest is kept, and the next
+/// The second half for snapshots and overlays, all under the state lock:
+/// makes the moved pages durable and commits the metadata (the image's
+/// `flush`: the syncs included). On failure the harvest is kept, and the next
 /// barrier copies its pages again (with whatever the guest wrote there
 /// since).
 fn commit_locked(
@@ -248,14 +249,87 @@ fn commit_locked(
             Ok(())
         }
         Err(e) => {
-            st.tracking.unsaved = moved.harvest;
+            merge_harvest(&mut st.tracking.unsaved, moved.harvest);
+            Err(e.into())
+        }
+    }
+}
+
+/// A barrier's commit, staged under the state lock and not yet written.
+struct Staged {
+    commit: Commit,
+    moved: Moved,
+    /// Write faults that had fallen back to zeros when it was staged.
+    fallbacks: u64,
+}
+
+/// Stages the commit of a barrier whose pages are moved: the metadata
+/// slots written, the next header built (no sync). `None` when nothing is
+/// left to make durable. On failure the harvest is kept for the next
+/// barrier.
+fn stage(st: &mut RegionState, moved: Moved) -> Result<Option<Staged>, BarrierError> {
+    let fallbacks = st.counters.faults.fallbacks;
+    let image = st.image_mut()?;
+    // Shared mappings dirty the top file's page cache directly: always
+    // sync data before the metadata commit.
+    image.mark_data_written();
+    match image.begin_commit() {
+        Ok(Some(commit)) => Ok(Some(Staged {
+            commit,
+            moved,
+            fallbacks,
+        })),
+        Ok(None) => Ok(None),
+        Err(e) => {
+            merge_harvest(&mut st.tracking.unsaved, moved.harvest);
+            Err(e.into())
+        }
+    }
+}
+
+/// Publishes a commit [`Commit::write`] made durable (or gives it back to
+/// the image when the write failed, keeping the harvest for the next
+/// barrier). Under the state lock.
+fn finish(
+    st: &mut RegionState,
+    staged: Staged,
+    written: Result<(), pcow::Error>,
+) -> Result<(), BarrierError> {
+    let Staged {
+        commit,
+        moved,
+        fallbacks,
+    } = staged;
+    let image = st.image_mut()?;
+    let r = match written {
+        Ok(()) => image.finish_commit(commit),
+        Err(e) => {
+            if let Err(a) = image.abort_commit(commit) {
+                log::error!("{}", pcow::check::error_chain(&a));
+            }
+            Err(e)
+        }
+    };
+    match r {
+        Ok(()) => {
+            // A write fault that fell back to zeros while the commit was
+            // written left a page this barrier did not move: its failure
+            // stays reported until the next barrier.
+            if st.counters.faults.fallbacks == fallbacks {
+                st.out_of_space = None;
+            }
+            Ok(())
+        }
+        Err(e) => {
+            merge_harvest(&mut st.tracking.unsaved, moved.harvest);
             Err(e.into())
         }
     }
 }
 
 /// A barrier (the guest's FLUSH, the API's): see the module documentation
-/// for its steps and locks.
+/// for its steps and locks. The commit's syncs run with neither writers
+/// nor the state lock held.
 pub(crate) fn barrier(
     shared: &Shared,
     quiesce: &dyn Quiesce,
@@ -271,13 +345,25 @@ pub(crate) fn barrier(
     // barrier's writes to the file wait for at most the piece in flight.
     let _quiet = st.pool.quiet();
     let mut stats = BarrierStats::default();
-    let r = match move_held(&mut st, &mut stats) {
-        Ok(moved) => {
-            drop(held);
-            stats.held = t.elapsed();
-            commit_locked(&mut st, moved, &mut stats)
-        }
+    let staged = move_held(&mut st, &mut stats).and_then(|moved| stage(&mut st, moved));
+    // Copied and re-protected: what the guest writes from here on belongs
+    // to the next barrier.
+    drop(held);
+    stats.held = t.elapsed();
+    let r = match staged {
         Err(e) => Err(e),
+        Ok(None) => {
+            st.out_of_space = None;
+            Ok(())
+        }
+        Ok(Some(mut staged)) => {
+            drop(st);
+            let tc = Instant::now();
+            let written = staged.commit.write();
+            stats.commit = tc.elapsed();
+            st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
+            finish(&mut st, staged, written)
+        }
     };
     request_refill(&mut st);
     r.map(|()| stats)
