@@ -22,8 +22,9 @@
 //!   adjacent ranges); `plan`: the mappings of an image's layout;
 //!   `view`: the reservation, the userfaultfd and the cluster states;
 //! - `health`: typed failures kept for the status; `quiesce`: holding
-//!   writers; `pool`: the pre-allocation worker; [`fault_poll`]: the
-//!   monitor's adaptive poll window;
+//!   writers; `pool`: the pre-allocation worker; `fault_poll`: the
+//!   monitor's adaptive poll window; `request`, `device`: the virtqueue's
+//!   requests and the device model; `raw`: raw files;
 //! - `harvest`: write tracking and the pages a barrier moves; `state`:
 //!   the region state and its locks; `build`: building a region;
 //! - `fault`: fault resolution and the [`Monitor`]; `barrier`: the
@@ -86,13 +87,13 @@ mod view;
 
 pub use barrier::{BarrierError, BarrierStats};
 pub use build::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET};
-pub use clusters::ClusterState;
 pub use device::{
-    FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE,
+    DeviceError, FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE,
+    QUEUE_SIZE,
 };
 pub use fault::{Monitor, MonitorError, NoCluster};
 pub use health::{is_out_of_space, Failure};
-pub use mapping::{max_map_count, MapsError, Reservation};
+pub use mapping::{max_map_count, MapsError};
 pub use monitor_thread::{MonitorReport, MonitorThread};
 pub use overlay::{OverlayError, OverlayInfo};
 pub use pool::{default_pool_bytes, PoolOptions, PoolStatus};

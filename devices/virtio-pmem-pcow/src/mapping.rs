@@ -98,11 +98,6 @@ impl Reservation {
         self.len
     }
 
-    /// Whether the reservation is empty (never).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     fn check(&self, offset: u64, len: u64) -> io::Result<()> {
         let ok = offset.is_multiple_of(PAGE_SIZE)
             && len.is_multiple_of(PAGE_SIZE)
