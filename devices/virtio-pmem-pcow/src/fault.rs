@@ -1,8 +1,8 @@
 //! Fault resolution and the [`Monitor`], the fd-driven half of a region
 //! that serves its userfaultfd (on [`crate::MonitorThread`], a thread of
 //! its own). [`Monitor::handle_ready`] drains the pending faults and
-//! resolves each under the state lock, which a barrier never holds across
-//! a sync:
+//! resolves each under the state lock, which a FLUSH barrier never holds
+//! across a sync (snapshots and overlays do, see the crate's lock order):
 //!
 //! - a write fault in a hole cluster gets the active layer's cluster
 //!   (allocated from the image's pool), mapped `MAP_FIXED|MAP_SHARED` over
@@ -165,7 +165,7 @@ impl Monitor {
     /// batch, takes finished refills and asks the worker for one if the
     /// pool is low. When nothing is pending any more, keeps reading for the
     /// adaptive poll window ([`crate::fault_poll`], at most 50 µs by
-    /// default) before it returns, without holding the device's lock.
+    /// default) before it returns, without holding the state lock.
     pub fn handle_ready(&self) -> Result<usize, MonitorError> {
         let mut buf = [0u8; MSG_SIZE * 32];
         let mut handled = 0;
@@ -214,7 +214,7 @@ impl Monitor {
                 continue;
             }
             // Everything pending is handled: keep reading for the window
-            // (without the device lock), the next fault of a burst is
+            // (without the state lock), the next fault of a burst is
             // likely on its way.
             poll.idle_at(Instant::now());
             n = self.uffd.read_msgs_within(&mut buf, poll.window())?;

@@ -50,12 +50,15 @@
 //!    the writers the hold waits for;
 //! 3. the state lock (`Shared::lock`): the cluster states, the mapping,
 //!    the image in memory, the pool's bookkeeping. The monitor takes it
-//!    alone, per batch of faults; it is held only for in-memory work and
-//!    mmap/ioctl calls. A FLUSH barrier drops it (and the writers) before
-//!    the commit's syncs and takes it again to publish the commit, so a
-//!    fault never waits for a sync. Snapshots and overlays keep it (and
-//!    the writers) through their commits; `status` copies under it and
-//!    scans the page tables and reads `/proc/self/maps` without it;
+//!    alone, per batch of faults. It is held for in-memory work, mmap and
+//!    ioctl calls and writes into the page cache (a barrier's copy of the
+//!    written pages into the file; an allocation when the pre-allocated
+//!    pool is empty), never across a sync by a FLUSH barrier: it drops the
+//!    lock (and the writers) before the commit's syncs and takes it again
+//!    to publish the commit, so a fault never waits for a sync. Snapshots
+//!    and overlays keep it (and the writers) through their commits, so
+//!    faults wait for them. `status` copies under it and scans the page
+//!    tables and reads `/proc/self/maps` without it;
 //! 4. the pool's channel (the worker's request and completions) and the
 //!    write gate's state: innermost, held for a few instructions.
 //!

@@ -170,8 +170,8 @@ impl Shared {
         }
     }
 
-    /// The state lock: held only for in-memory work and mmap/ioctl calls
-    /// (never across a sync), except by snapshots and overlays.
+    /// The state lock: never held across a sync, except by snapshots and
+    /// overlays (see the crate's lock order).
     pub(crate) fn lock(&self) -> Result<MutexGuard<'_, RegionState>, Poisoned> {
         self.state.lock().map_err(|_| Poisoned)
     }
