@@ -341,11 +341,14 @@ pub(crate) fn barrier(
     let t = Instant::now();
     let mut st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
     prepare(&mut st)?;
-    // The pool worker starts no new piece of a refill meanwhile: the
-    // barrier's writes to the file wait for at most the piece in flight.
-    let _quiet = st.pool.quiet();
+    // The pool worker starts no new piece of a refill while the pages are
+    // copied and the commit staged: the barrier's writes to the file wait
+    // for at most the piece in flight. It refills again during the syncs,
+    // for the faults served meanwhile.
+    let quiet = st.pool.quiet();
     let mut stats = BarrierStats::default();
     let staged = move_held(&mut st, &mut stats).and_then(|moved| stage(&mut st, moved));
+    drop(quiet);
     // Copied and re-protected: what the guest writes from here on belongs
     // to the next barrier.
     drop(held);
