@@ -88,6 +88,20 @@ impl Storage for MemStorage {
         self.lock().resize(len as usize, 0);
         Ok(())
     }
+
+    /// The same bytes (a clone shares them).
+    fn commit_io(&self) -> io::Result<Box<dyn pcow::io::CommitIo>> {
+        Ok(Box::new(self.clone()))
+    }
+}
+
+impl pcow::io::CommitIo for MemStorage {
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        Storage::write_at(self, buf, offset)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Reads the first `min(virtual size, READ_CAP)` bytes of `img` in chunks

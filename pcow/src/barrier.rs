@@ -1,15 +1,170 @@
 //! The barrier: the only place metadata reaches the file, in the order the
 //! spec's "Updates: the barrier" section defines (data and metadata slots,
 //! sync, header slot, sync).
+//!
+//! A barrier is a commit in three steps, so that a caller that shares the
+//! image under a lock holds it only for the fast ones:
+//! - [`Image::begin_commit`] (no sync) writes every dirty metadata slot
+//!   into its other slot, builds the header of the next generation from
+//!   the state as staged now, and clears the dirty marks it covers;
+//! - [`Commit::write`] (no `Image`) syncs, writes the header slot and syncs
+//!   again, through the storage's [`CommitIo`] handle;
+//! - [`Image::finish_commit`] publishes the written slots and header;
+//!   [`Image::abort_commit`] marks what the commit covered dirty again.
+//!
+//! Changes made between begin and finish (clusters allocated, pages
+//! recorded) mark things dirty again and belong to the next commit: the
+//! header the commit writes only counts what was staged at begin, and the
+//! slots it wrote describe that state. While a commit is pending, every
+//! other metadata write is refused ([`Error::CommitPending`]).
+//! [`Image::flush`] is the three steps in a row.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
-use crate::format::{encode_meta, encode_snap, push_entry, SnapSlot, MAX_GENERATION};
+use crate::format::{encode_meta, encode_snap, push_entry, Header, SnapSlot, MAX_GENERATION};
 use crate::image::{io_err, Image};
+use crate::io::CommitIo;
 
-/// A metadata cluster written by the barrier in progress.
-enum Written {
-    Segment(usize, u8),
-    Layer(usize, u8),
+/// A metadata slot written by a commit: whose, which slot, where, and the
+/// end of its content (recorded in `slot_ends` once a sync made it durable).
+#[derive(Debug, Clone, Copy)]
+struct Written {
+    of: SlotOf,
+    slot: u8,
+    at: u64,
+    end: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum SlotOf {
+    Segment(usize),
+    Layer(usize),
+}
+
+/// How far the [`Commit`] handed out for a pending commit got. Shared with
+/// the image, so that closing an image whose commit was never finished
+/// knows whether the header may already be on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Progress {
+    /// Nothing written yet, or a write may still be tried.
+    Open,
+    /// A write failed: the commit can only be aborted.
+    Failed,
+    /// Synced and the header written and synced: the commit is durable.
+    Written,
+    /// The image gave up on the commit (closed): writing it is refused.
+    Cancelled,
+}
+
+type Gate = Arc<Mutex<Progress>>;
+
+fn lock(gate: &Gate) -> MutexGuard<'_, Progress> {
+    // The state is a plain enum: a panic while holding it leaves it whole.
+    gate.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The image's record of the commit in flight: what to publish when it is
+/// written, what to mark dirty again when it is not.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    id: u64,
+    gate: Gate,
+    written: Vec<Written>,
+    /// The new header, its slot and content end (`None`: a data sync only).
+    header: Option<(Header, u8, u64, usize)>,
+    had_data: bool,
+    had_meta: bool,
+}
+
+/// The header slot a commit writes, as the bytes to write there.
+#[derive(Debug)]
+struct HeaderWrite {
+    bytes: Vec<u8>,
+    at: u64,
+}
+
+/// A commit staged by [`Image::begin_commit`]: the I/O that makes it
+/// durable, done without the image by [`Commit::write`], then handed back
+/// to [`Image::finish_commit`] (or [`Image::abort_commit`]).
+#[must_use = "a commit must be written and finished, or aborted"]
+pub struct Commit {
+    id: u64,
+    gate: Gate,
+    io: Box<dyn CommitIo>,
+    path: PathBuf,
+    /// Sync data and slots before the header (or alone, for a data sync).
+    sync_first: bool,
+    header: Option<HeaderWrite>,
+}
+
+impl std::fmt::Debug for Commit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Commit")
+            .field("id", &self.id)
+            .field("path", &self.path)
+            .field("progress", &*lock(&self.gate))
+            .finish()
+    }
+}
+
+impl Commit {
+    /// Makes the commit durable: syncs the data and the slots written at
+    /// begin, writes the header slot, syncs again. Needs no lock on the
+    /// image. After an error the commit can only be aborted (a failed sync
+    /// is not retried: the kernel may have dropped the pages it failed on).
+    pub fn write(&mut self) -> Result<()> {
+        let gate = self.gate.clone();
+        let mut progress = lock(&gate);
+        match *progress {
+            Progress::Open => {}
+            Progress::Written => return Ok(()),
+            Progress::Failed => {
+                return Err(Error::CommitFailed {
+                    path: self.path.clone(),
+                })
+            }
+            Progress::Cancelled => {
+                return Err(Error::CommitCancelled {
+                    path: self.path.clone(),
+                })
+            }
+        }
+        match self.write_inner() {
+            Ok(()) => {
+                *progress = Progress::Written;
+                Ok(())
+            }
+            Err(e) => {
+                *progress = Progress::Failed;
+                Err(e)
+            }
+        }
+    }
+
+    fn write_inner(&mut self) -> Result<()> {
+        let path = &self.path;
+        // One sync covers the data and the new slots: until the header
+        // names the new generation the slots are stale and readers ignore
+        // them, so their order against the data does not matter; only the
+        // header must follow both.
+        if self.sync_first {
+            let op = if self.header.is_some() {
+                "syncing data and metadata"
+            } else {
+                "syncing data"
+            };
+            self.io.sync().map_err(io_err(path, op))?;
+        }
+        if let Some(h) = &self.header {
+            self.io
+                .write_at(&h.bytes, h.at)
+                .map_err(io_err(path, "writing the header"))?;
+            self.io.sync().map_err(io_err(path, "syncing the header"))?;
+        }
+        Ok(())
+    }
 }
 
 impl Image {
@@ -33,21 +188,96 @@ fn other(slot: Option<u8>) -> u8 {
 }
 
 impl Image {
-    /// Makes every write so far durable and commits the staged metadata.
+    /// Makes every write so far durable and commits the staged metadata:
+    /// [`Image::begin_commit`], [`Commit::write`], [`Image::finish_commit`].
     /// On error nothing is committed; the staged state is kept and a later
     /// barrier retries it.
     pub fn flush(&mut self) -> Result<()> {
-        if !self.writable {
+        let Some(mut c) = self.begin_commit()? else {
             return Ok(());
+        };
+        match c.write() {
+            Ok(()) => self.finish_commit(c),
+            Err(e) => {
+                self.abort_commit(c)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Refuses a metadata write while a commit is pending.
+    pub(crate) fn require_no_commit(&self) -> Result<()> {
+        match self.pending {
+            Some(_) => Err(Error::CommitPending {
+                path: self.path.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Stages a commit of everything written so far, without syncing:
+    /// writes each dirty segment's and layer's slot into its other slot,
+    /// builds the next generation's header from the state as it is now,
+    /// and clears the dirty marks this covers. `None` when there is
+    /// nothing to make durable (or the image is not writing). Changes made
+    /// before the commit is finished or aborted belong to the next one.
+    /// Refused while another commit is pending.
+    pub fn begin_commit(&mut self) -> Result<Option<Commit>> {
+        if !self.writable {
+            return Ok(None);
+        }
+        self.require_no_commit()?;
+        if !self.meta_dirty && !self.data_dirty {
+            return Ok(None);
         }
         let path = self.path.clone();
-        if !self.meta_dirty {
-            if self.data_dirty {
-                self.storage.sync().map_err(io_err(&path, "syncing data"))?;
-                self.data_dirty = false;
+        let io = self
+            .storage
+            .commit_io()
+            .map_err(io_err(&path, "opening the commit handle"))?;
+        let (written, header, header_write) = if self.meta_dirty {
+            let (written, h, hslot, hwrite, hend) = self.stage_metadata()?;
+            (written, Some((h, hslot, hwrite.at, hend)), Some(hwrite))
+        } else {
+            (Vec::new(), None, None)
+        };
+        // Staged: what the commit covers is no longer dirty; anything
+        // changed from here on marks it again for the next commit.
+        for w in &written {
+            match w.of {
+                SlotOf::Segment(i) => self.segments[i].dirty = false,
+                SlotOf::Layer(i) => self.layers[i].dirty = false,
             }
-            return Ok(());
         }
+        let sync_first = self.data_dirty || !written.is_empty();
+        let pending = Pending {
+            id: self.commit_seq,
+            gate: Arc::new(Mutex::new(Progress::Open)),
+            written,
+            header,
+            had_data: self.data_dirty,
+            had_meta: self.meta_dirty,
+        };
+        self.commit_seq += 1;
+        self.data_dirty = false;
+        self.meta_dirty = false;
+        let commit = Commit {
+            id: pending.id,
+            gate: pending.gate.clone(),
+            io,
+            path,
+            sync_first,
+            header: header_write,
+        };
+        self.pending = Some(pending);
+        Ok(Some(commit))
+    }
+
+    /// Writes the dirty slots and encodes the next header (see
+    /// [`Image::begin_commit`]); marks nothing clean.
+    #[allow(clippy::type_complexity)]
+    fn stage_metadata(&mut self) -> Result<(Vec<Written>, Header, u8, HeaderWrite, usize)> {
+        let path = self.path.clone();
         // Readers refuse generations past the limit, so never write one.
         let gen = self.committed_gen + 1;
         if gen > MAX_GENERATION {
@@ -58,8 +288,6 @@ impl Image {
         }
         let g = self.g;
         let slot_bytes = g.slot_size() as u64;
-        // Each slot written, its offset and content end (recorded in
-        // `slot_ends` once a sync has made it durable).
         let mut written = Vec::new();
         let mut entries = Vec::new();
         for i in 0..self.segments.len() {
@@ -77,7 +305,12 @@ impl Image {
             let end = self
                 .write_slot(&buf, at)
                 .map_err(io_err(&path, "writing a meta cluster"))?;
-            written.push((Written::Segment(i, slot), at, end));
+            written.push(Written {
+                of: SlotOf::Segment(i),
+                slot,
+                at,
+                end,
+            });
         }
         for i in 0..self.layers.len() {
             let layer = &self.layers[i];
@@ -102,20 +335,12 @@ impl Image {
             let end = self
                 .write_slot(&buf, at)
                 .map_err(io_err(&path, "writing a snapshot cluster"))?;
-            written.push((Written::Layer(i, slot), at, end));
-        }
-        // One sync covers the data and the new slots: until the header
-        // names generation `gen` the slots are stale and readers ignore
-        // them, so their order against the data does not matter; only the
-        // header must follow both.
-        if self.data_dirty || !written.is_empty() {
-            self.storage
-                .sync()
-                .map_err(io_err(&path, "syncing data and metadata"))?;
-            self.data_dirty = false;
-        }
-        for &(_, at, end) in &written {
-            self.slot_ends.synced(at, end);
+            written.push(Written {
+                of: SlotOf::Layer(i),
+                slot,
+                at,
+                end,
+            });
         }
         let mut h = self.header.clone();
         h.generation = gen;
@@ -126,31 +351,123 @@ impl Image {
         let hslot = other(Some(self.header_slot));
         let hbuf = h.encode();
         let hat = u64::from(hslot) * slot_bytes;
-        let hend = self
-            .write_slot(&hbuf, hat)
-            .map_err(io_err(&path, "writing the header"))?;
-        self.storage
-            .sync()
-            .map_err(io_err(&path, "syncing the header"))?;
-        self.slot_ends.synced(hat, hend);
-        // Committed: the written slots are now the current ones.
-        for (w, _, _) in written {
-            match w {
-                Written::Segment(i, s) => {
-                    self.segments[i].cur_slot = Some(s);
-                    self.segments[i].dirty = false;
-                }
-                Written::Layer(i, s) => {
-                    self.layers[i].cur_slot = Some(s);
-                    self.layers[i].dirty = false;
-                }
+        // The record is raised before the write is issued (by the commit),
+        // as `write_slot` does.
+        let p = self.slot_ends.prefix_to_write(hat, &hbuf);
+        let hwrite = HeaderWrite {
+            bytes: hbuf[..p.len].to_vec(),
+            at: hat,
+        };
+        Ok((written, h, hslot, hwrite, p.content_end))
+    }
+
+    /// Takes the pending record of `c`, or refuses a commit that is not
+    /// this image's pending one.
+    fn take_pending(&mut self, c: &Commit) -> Result<Pending> {
+        match self.pending.take() {
+            Some(p) if p.id == c.id && Arc::ptr_eq(&p.gate, &c.gate) => Ok(p),
+            other => {
+                self.pending = other;
+                Err(Error::CommitNotPending {
+                    path: self.path.clone(),
+                })
             }
         }
-        self.header = h;
-        self.header_slot = hslot;
-        self.committed_gen = gen;
-        self.meta_dirty = false;
+    }
+
+    /// Publishes a written commit: its slots and header become the current
+    /// ones. Marks set again since [`Image::begin_commit`] stay set. A
+    /// commit that was not written is aborted instead
+    /// ([`Error::CommitUnwritten`]).
+    pub fn finish_commit(&mut self, c: Commit) -> Result<()> {
+        let p = self.take_pending(&c)?;
+        let progress = *lock(&p.gate);
+        if progress == Progress::Written {
+            self.publish(p);
+            Ok(())
+        } else {
+            self.restore(p);
+            Err(Error::CommitUnwritten {
+                path: self.path.clone(),
+            })
+        }
+    }
+
+    /// Gives up a commit: nothing of it is committed and everything it
+    /// covered is dirty again, for a later commit to rewrite. A commit
+    /// already written is durable in the file, so it is published instead:
+    /// forgetting it would let the next commit overwrite slots its header
+    /// names.
+    pub fn abort_commit(&mut self, c: Commit) -> Result<()> {
+        let p = self.take_pending(&c)?;
+        let progress = *lock(&p.gate);
+        if progress == Progress::Written {
+            self.publish(p);
+        } else {
+            self.restore(p);
+        }
         Ok(())
+    }
+
+    /// Settles a commit whose [`Commit`] was not handed back (the image is
+    /// closing): published if it was written, else cancelled, so that the
+    /// handle can no longer write a header, and undone.
+    pub(crate) fn settle_pending(&mut self) {
+        let Some(p) = self.pending.take() else {
+            return;
+        };
+        let written = {
+            let mut progress = lock(&p.gate);
+            if *progress != Progress::Written {
+                *progress = Progress::Cancelled;
+            }
+            *progress == Progress::Written
+        };
+        if written {
+            self.publish(p);
+        } else {
+            self.restore(p);
+        }
+    }
+
+    fn publish(&mut self, p: Pending) {
+        for w in &p.written {
+            match w.of {
+                SlotOf::Segment(i) => self.segments[i].cur_slot = Some(w.slot),
+                SlotOf::Layer(i) => self.layers[i].cur_slot = Some(w.slot),
+            }
+            self.slot_ends.synced(w.at, w.end);
+        }
+        if let Some((h, hslot, hat, hend)) = p.header {
+            self.slot_ends.synced(hat, hend);
+            self.header_slot = hslot;
+            self.committed_gen = h.generation;
+            // The staged header keeps what changed since begin; the
+            // counters are the staged state's (as the next commit will
+            // write them), the end of the file the committed one.
+            self.header.generation = h.generation;
+            self.header.cluster_count = h.cluster_count;
+            self.header.data_cluster_count = self.entries.len() as u64;
+            self.header.layer_count = self.layers.len() as u32;
+            self.header.snapshot_count =
+                self.layers.iter().filter(|l| l.snap.is_some()).count() as u32;
+        }
+    }
+
+    fn restore(&mut self, p: Pending) {
+        for w in &p.written {
+            match w.of {
+                SlotOf::Segment(i) => self.segments[i].dirty = true,
+                SlotOf::Layer(i) => self.layers[i].dirty = true,
+            }
+        }
+        self.data_dirty |= p.had_data;
+        self.meta_dirty |= p.had_meta;
+    }
+
+    /// Whether a commit is pending (begun, not yet finished or aborted).
+    pub fn commit_pending(&self) -> bool {
+        self.pending.is_some()
     }
 
     /// Generation of the last committed barrier.

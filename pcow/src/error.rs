@@ -67,6 +67,16 @@ pub enum Error {
     Limit { path: PathBuf, what: String },
     #[error("{path}: image has no base image")]
     NoBase { path: PathBuf },
+    #[error("{path}: a commit is in progress")]
+    CommitPending { path: PathBuf },
+    #[error("{path}: not the image's pending commit")]
+    CommitNotPending { path: PathBuf },
+    #[error("{path}: commit not written")]
+    CommitUnwritten { path: PathBuf },
+    #[error("{path}: commit failed earlier, abort it")]
+    CommitFailed { path: PathBuf },
+    #[error("{path}: commit cancelled by closing the image")]
+    CommitCancelled { path: PathBuf },
 }
 
 /// Result alias of the library.

@@ -203,6 +203,10 @@ pub struct Image {
     /// started: nothing written yet ([`OpenOptions::defer_writing`]).
     deferred: bool,
     closed: bool,
+    /// The commit begun and not yet finished or aborted.
+    pub(crate) pending: Option<crate::barrier::Pending>,
+    /// Numbers commits, so that a stale [`crate::Commit`] is refused.
+    pub(crate) commit_seq: u64,
 }
 
 impl std::fmt::Debug for Image {
@@ -333,6 +337,8 @@ impl Image {
             base: None,
             temporary: false,
             deferred,
+            pending: None,
+            commit_seq: 0,
             // Nothing may be written back until the open succeeds: a
             // refused image must be left exactly as it was.
             closed: true,
@@ -522,6 +528,7 @@ impl Image {
         if !self.writable {
             return Ok(());
         }
+        self.settle_pending();
         self.header.incompatible &= !features::INCOMPAT_DIRTY;
         self.meta_dirty = true;
         self.flush()?;
@@ -1147,6 +1154,7 @@ impl Image {
         if mode == Preallocation::Off {
             return Ok(0);
         }
+        self.require_no_commit()?;
         self.begin_writing()?;
         let layer = self.header.active_layer;
         let cs = self.g.cluster_size();
@@ -1327,6 +1335,7 @@ impl Image {
     /// empty over its base. Committed at once; the old clusters become
     /// uncommitted space, truncated at close.
     pub(crate) fn reset_empty(&mut self) -> Result<()> {
+        self.require_no_commit()?;
         self.layers.truncate(1);
         let root = &mut self.layers[0];
         root.map.clear();
@@ -1361,6 +1370,7 @@ impl Image {
     /// Grows the virtual size.
     pub fn grow(&mut self, new_size: u64) -> Result<()> {
         self.require_writer()?;
+        self.require_no_commit()?;
         check_virtual_size(new_size, self.g)?;
         if new_size < self.header.virtual_size {
             return Err(Error::Invalid(format!(

@@ -33,6 +33,20 @@ pub trait Storage: Send {
     fn file(&self) -> Option<&File> {
         None
     }
+    /// A handle on the same bytes for the I/O of a staged commit (the syncs
+    /// and the header write of [`crate::Commit::write`]), used while the
+    /// image itself is in other hands. Its writes and syncs are this
+    /// storage's: a sync through either covers the writes of both.
+    fn commit_io(&self) -> io::Result<Box<dyn CommitIo>>;
+}
+
+/// The I/O a staged commit does away from its image: positioned writes and
+/// syncs on the image's storage.
+pub trait CommitIo: Send {
+    /// Writes all of `buf` at `offset`.
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Makes every completed write to the storage durable (fdatasync).
+    fn sync(&mut self) -> io::Result<()>;
 }
 
 /// A real file.
@@ -69,6 +83,28 @@ impl Storage for FileStorage {
     }
     fn file(&self) -> Option<&File> {
         Some(&self.file)
+    }
+    /// A duplicate of the file descriptor: same open file, same page cache
+    /// (and the same lock, held until the handle is dropped too).
+    fn commit_io(&self) -> io::Result<Box<dyn CommitIo>> {
+        Ok(Box::new(FileCommitIo {
+            file: self.file.try_clone()?,
+        }))
+    }
+}
+
+/// A [`FileStorage`]'s commit handle.
+#[derive(Debug)]
+struct FileCommitIo {
+    file: File,
+}
+
+impl CommitIo for FileCommitIo {
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        self.file.sync_data()
     }
 }
 

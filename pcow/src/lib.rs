@@ -39,6 +39,7 @@ mod slot_ends;
 mod snapshot;
 mod temp;
 
+pub use barrier::Commit;
 pub use chain::{open_base_writable, resolve_base, Backing, RawImage};
 pub use error::{Error, Result};
 pub use format::{BaseFormat, BaseRef, FormatError, Geometry, Header};

@@ -79,6 +79,7 @@ impl Image {
     /// snapshot cluster, no data copied.
     pub fn snapshot_create(&mut self, tag: &str) -> Result<SnapshotInfo> {
         self.require_writer()?;
+        self.require_no_commit()?;
         self.check_tag(tag)?;
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -117,6 +118,7 @@ impl Image {
     /// are kept; what was written since the last snapshot is dropped.
     pub fn snapshot_apply(&mut self, snap: &str) -> Result<SnapshotInfo> {
         self.require_writer()?;
+        self.require_no_commit()?;
         let (_, info) = self.find_snapshot(snap)?;
         self.check_layer_room()?;
         self.begin_writing()?;
@@ -130,6 +132,7 @@ impl Image {
     /// views need it; `compact` reclaims what nothing reaches.
     pub fn snapshot_delete(&mut self, snap: &str) -> Result<SnapshotInfo> {
         self.require_writer()?;
+        self.require_no_commit()?;
         let (i, info) = self.find_snapshot(snap)?;
         self.begin_writing()?;
         self.layers[i].snap = None;

@@ -25,7 +25,7 @@ use crate::chain::{open_base, Backing, ChainCtx};
 use crate::error::{Error, Result};
 use crate::format::{BaseFormat, BaseRef, Geometry, Header};
 use crate::image::{check_virtual_size, io_err, lock_file, Image, OpenOptions};
-use crate::io::{FileStorage, Storage};
+use crate::io::{CommitIo, FileStorage, Storage};
 use crate::DEFAULT_CLUSTER_SIZE;
 
 /// Where and how a temporary overlay is made.
@@ -68,6 +68,21 @@ impl Storage for VolatileStorage {
     }
     fn file(&self) -> Option<&File> {
         self.0.file()
+    }
+    fn commit_io(&self) -> io::Result<Box<dyn CommitIo>> {
+        Ok(Box::new(VolatileCommitIo(self.0.commit_io()?)))
+    }
+}
+
+/// A volatile storage's commit handle: writes, no syncs.
+struct VolatileCommitIo(Box<dyn CommitIo>);
+
+impl CommitIo for VolatileCommitIo {
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.0.write_at(buf, offset)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 

@@ -54,6 +54,18 @@ impl Storage for MemStorage {
         self.0.lock().unwrap().resize(len as usize, 0);
         Ok(())
     }
+    fn commit_io(&self) -> io::Result<Box<dyn pcow::io::CommitIo>> {
+        Ok(Box::new(self.clone()))
+    }
+}
+
+impl pcow::io::CommitIo for MemStorage {
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        Storage::write_at(self, buf, offset)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 fn ids(img: &Image) -> Vec<(u32, String)> {

@@ -303,7 +303,9 @@ impl Pmem {
         }
         let region = self.pcow()?;
         match region.out_of_space() {
-            Ok(why) => why.map(|w| format!("pmem {}: {w}", self.id)),
+            Ok(why) => {
+                why.map(|w| format!("pmem {}: {}", self.id, crate::control::error_chain(&w)))
+            }
             Err(e) => Some(format!("pmem {}: {e}", self.id)),
         }
     }

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pcow::{CreateOptions, Image, OpenOptions, TempOptions};
-use virtio_pmem_pcow::monitor::Uffd;
+use virtio_pmem_pcow::Uffd;
 use virtio_pmem_pcow::{Monitor, PcowRegion, RegionOptions};
 use vmm::testguest::{Check, Report, TestGuest, TEST_PORT};
 use vmm::vcpu::{self, PortIo, VcpuControl, VcpuStop};

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pcow::{CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::monitor::Uffd;
+use virtio_pmem_pcow::Uffd;
 use virtio_pmem_pcow::{Monitor, PcowRegion, PmemDevice, RegionOptions};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::pci::virtio_pci::{BAR_SIZE, DEVICE_CFG_OFFSET, ISR_OFFSET, NOTIFY_OFFSET};

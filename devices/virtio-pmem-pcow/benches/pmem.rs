@@ -56,8 +56,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image};
-use virtio_pmem_pcow::monitor::Uffd;
 use virtio_pmem_pcow::uffd;
+use virtio_pmem_pcow::Uffd;
 use virtio_pmem_pcow::{Monitor, PcowRegion, PoolOptions, RegionOptions, WriteGate};
 
 const PAGE: u64 = 4096;

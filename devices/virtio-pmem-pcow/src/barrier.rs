@@ -1,166 +1,51 @@
 //! The flush barrier: moves every page the guest wrote into private memory
 //! (copy-on-write of read-only layers, writes into zero-mapped holes) into
 //! the writable layer, then makes data durable, then metadata, in the
-//! order the spec defines (the image's own `flush`).
+//! order the spec defines (the image's commit).
 //!
-//! The handshake with the VMM: writers are held ([`Quiesce::hold`]) for the
-//! whole harvest, so the copy from the region into the file and the remap
-//! over the cluster see no concurrent write; nothing a guest wrote can be
-//! lost between them. The monitor keeps serving faults while the barrier
-//! waits for the hold (the region lock is taken only once writers are
-//! held), so a writer blocked in a fault cannot deadlock the barrier.
-//! The commit (the syncs) needs no hold: once the pages are copied and
-//! their tracking re-armed, a write belongs to the next barrier, so the
-//! guest's FLUSH releases the writers before it; only a fault that needs
-//! the image (a write into a hole) waits for the region lock meanwhile.
+//! A barrier runs on its caller's thread (the device's queue, the API):
+//!
+//! 1. the barrier lock ([`Shared::serialize`]): one barrier, snapshot or
+//!    overlay at a time;
+//! 2. writers held ([`Quiesce::hold`]): the copy from the region into the
+//!    file and the remap over the cluster see no concurrent write, so
+//!    nothing a guest wrote can be lost between them. The state lock is
+//!    not taken yet: the monitor serves the faults of writers the hold
+//!    waits for;
+//! 3. under the state lock: the harvest ([`crate::harvest`]: the pages
+//!    written since the last barrier, their tracking re-armed), the copy
+//!    into the writable layer and its metadata staged;
+//! 4. writers released, the state lock dropped: once the pages are copied
+//!    and their tracking re-armed, a write belongs to the next barrier;
+//! 5. the commit: the syncs and the header;
+//! 6. the state lock again to publish the commit (or, on failure, to keep
+//!    the harvest for the next barrier).
+//!
+//! Snapshots and overlays run the same harvest and copy, then keep writers
+//! held and the state lock through their commit and their own change of
+//! the image (faults wait for them meanwhile).
 //!
 //! Copy-on-write is per 4 KiB page: a cluster with data below gets only
 //! its written pages copied into the writable layer's cluster (a partial
 //! bitmap on disk, the rest read through from below) and keeps its private
 //! mapping; a former hole (nothing below) becomes a whole cluster mapped
-//! shared. Pages already copied stay private and may be written again, so
-//! a barrier must find the pages written since the previous one, not every
-//! private page: private clusters are registered with a WP-async
-//! userfaultfd ([`WriteTracker`]); `PAGEMAP_SCAN` reports the pages
-//! written since they were last write-protected, and the barrier
-//! re-protects them (and the pages the guest faulted in by reading), all
-//! while writers are held. The kernel keeps no summary, so the walk still
-//! visits every page-table entry present in the private ranges, but only
-//! with its fast path (the PTE's write-protect bit, about 0.4 ms per GiB of
-//! populated page tables); pages are classified only where something
-//! changed. The cost follows the pages written and read since the last
-//! barrier, plus that walk. Without WP-async (kernel before 6.7, or the
-//! pagemap read fallback) every private page is copied again at every
-//! barrier: correct, slower.
-//!
-//! Zero-mapped holes (holes the guest read) are tracked the same way, but
-//! through the monitor's userfaultfd, which their range belongs to: it is
-//! opened WP-async too and registers holes in missing and write-protect
-//! mode. Missing faults still reach the monitor; the zero pages it maps
-//! start unprotected, so the first barrier after a read classifies them
-//! once and protects them, and a later write to one is found like a
-//! write to a private cluster. A zero-mapped cluster is populated whole,
-//! so that protection never leaves a marker on an empty entry (which
-//! `UFFDIO_ZEROPAGE` would refuse; the monitor copies zeros there). Without
-//! WP-async every barrier classifies each of their pages, about 10 ms per
-//! GiB here. Past the zero budget ([`crate::RegionOptions::zero_budget`]) a
-//! barrier turns the ones nobody wrote back into holes (`MADV_DONTNEED` of
-//! zero pages, writers held), which bounds their page tables and, without
-//! tracking, that classification.
+//! shared. Past the zero budget ([`crate::RegionOptions::zero_budget`]) a
+//! barrier turns the zero-mapped clusters nobody wrote back into holes
+//! (`MADV_DONTNEED` of zero pages, writers held), which bounds their page
+//! tables and, without tracking, the classification of their pages.
 
 use std::os::fd::RawFd;
-use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use pcow::ClusterSource;
+use pcow::{ClusterSource, Commit, Image};
 
-use crate::pagemap::{PagemapError, ScanMethod, WriteTracker, PAGE_SIZE};
-use crate::region::{ClusterState, RegionState};
-
-/// Holds the guest's writers for a barrier. A VMM pauses its vCPUs; tests
-/// use [`WriteGate`].
-///
-/// The monitor serves faults on a thread of its own, so a writer blocked
-/// in a fault is released while `hold` waits for it.
-pub trait Quiesce: Send + Sync {
-    /// Returns once no writer runs and none will start until `release`;
-    /// or fails (a writer did not stop in time) with nothing held.
-    fn hold(&self) -> Result<(), QuiesceError>;
-    /// Lets writers run again (after a `hold` that succeeded).
-    fn release(&self);
-}
-
-/// Why the guest's writers could not be held (e.g. a vCPU that did not
-/// leave `KVM_RUN` within the VMM's deadline); nothing is held.
-#[derive(Debug, thiserror::Error)]
-#[error("holding the guest's writers")]
-pub struct QuiesceError(#[source] pub Box<dyn std::error::Error + Send + Sync>);
-
-/// Releases the hold when dropped (also on an early error return).
-struct Held<'a>(&'a dyn Quiesce);
-
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        self.0.release();
-    }
-}
-
-/// Holds writers for the lifetime of the returned guard.
-pub(crate) fn hold(q: &dyn Quiesce) -> Result<impl Drop + '_, QuiesceError> {
-    q.hold()?;
-    Ok(Held(q))
-}
-
-/// A writer-preferring gate: writers [`enter`](WriteGate::enter) around each
-/// write; [`Quiesce::hold`] waits for writers inside to leave and keeps new
-/// ones out. Stands in for pausing vCPUs in tests and tools.
-#[derive(Debug, Default)]
-pub struct WriteGate {
-    state: Mutex<GateState>,
-    cv: Condvar,
-}
-
-#[derive(Debug, Default)]
-struct GateState {
-    writers: usize,
-    held: bool,
-    waiting: usize,
-}
-
-/// A writer inside a [`WriteGate`]; leaves on drop.
-#[derive(Debug)]
-pub struct GateEntry<'a>(&'a WriteGate);
-
-impl WriteGate {
-    /// A gate with nobody inside.
-    pub fn new() -> WriteGate {
-        WriteGate::default()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
-        // The state is two counters and a flag, valid after any panic.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Enters as a writer (waits while a barrier holds or waits to hold).
-    pub fn enter(&self) -> GateEntry<'_> {
-        let mut s = self.lock();
-        while s.held || s.waiting > 0 {
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
-        }
-        s.writers += 1;
-        GateEntry(self)
-    }
-}
-
-impl Drop for GateEntry<'_> {
-    fn drop(&mut self) {
-        let mut s = self.0.lock();
-        s.writers -= 1;
-        drop(s);
-        self.0.cv.notify_all();
-    }
-}
-
-impl Quiesce for WriteGate {
-    fn hold(&self) -> Result<(), QuiesceError> {
-        let mut s = self.lock();
-        s.waiting += 1;
-        while s.held || s.writers > 0 {
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
-        }
-        s.waiting -= 1;
-        s.held = true;
-        Ok(())
-    }
-
-    fn release(&self) {
-        let mut s = self.lock();
-        s.held = false;
-        drop(s);
-        self.cv.notify_all();
-    }
-}
+use crate::clusters::{index_runs, push_run, ClusterState, FileRun};
+use crate::harvest::{merge_harvest, Harvest, Tracking};
+use crate::mapping::{MapsError, PAGE_SIZE};
+use crate::pagemap::PagemapError;
+use crate::quiesce::{hold, Quiesce, QuiesceError};
+use crate::state::{top_fd, NoImage, RegionState, Shared, Writable};
+use crate::view::View;
 
 /// Errors of a barrier.
 #[allow(missing_docs)] // the messages document the variants
@@ -206,7 +91,9 @@ pub enum BarrierError {
     )]
     Discarding,
     #[error("reading the process's mappings")]
-    Maps(#[source] Box<crate::region::RegionError>),
+    Maps(#[source] MapsError),
+    #[error("no writable image")]
+    NoImage(#[from] NoImage),
 }
 
 /// What one barrier did.
@@ -249,352 +136,277 @@ pub struct BarrierStats {
     pub held: Duration,
 }
 
-/// Pages to move: (vcn, sorted page indices in the cluster), sorted by vcn.
-pub(crate) type Harvest = Vec<(u64, Vec<u32>)>;
+/// The parts of the state a barrier works on.
+struct Parts<'a> {
+    view: &'a mut View,
+    tracking: &'a mut Tracking,
+    image: &'a mut Image,
+}
 
-/// Merges `more` into `into` (both sorted by vcn, pages sorted and
-/// unique): the result is sorted, each page once.
-fn merge_harvest(into: &mut Harvest, more: Harvest) {
-    if more.is_empty() {
-        return;
+fn parts(st: &mut RegionState) -> Result<Parts<'_>, NoImage> {
+    let RegionState {
+        view,
+        tracking,
+        image,
+        ..
+    } = st;
+    match image {
+        Writable::Open(image) => Ok(Parts {
+            view,
+            tracking,
+            image,
+        }),
+        Writable::Switching => Err(NoImage::Switching),
+        Writable::Detached(why) => Err(NoImage::Detached(why.clone())),
     }
-    let mut pages: Vec<(u64, u32)> = into
-        .drain(..)
-        .chain(more)
-        .flat_map(|(vcn, list)| list.into_iter().map(move |p| (vcn, p)))
-        .collect();
-    pages.sort_unstable();
-    pages.dedup();
-    for (vcn, page) in pages {
-        match into.last_mut() {
-            Some((v, list)) if *v == vcn => list.push(page),
-            _ => into.push((vcn, vec![page])),
+}
+
+/// Before a barrier: fails when the device has no writable image, then
+/// gives the image the clusters the pool worker reserved since.
+fn prepare(st: &mut RegionState) -> Result<(), BarrierError> {
+    let RegionState { image, pool, .. } = st;
+    match image {
+        Writable::Open(image) => {
+            pool.apply(image);
+            Ok(())
+        }
+        Writable::Switching => Err(NoImage::Switching.into()),
+        Writable::Detached(why) => Err(NoImage::Detached(why.clone()).into()),
+    }
+}
+
+/// Asks the pool worker for a refill if the pool is low.
+fn request_refill(st: &mut RegionState) {
+    if let Some((image, pool)) = st.image_and_pool() {
+        pool.request(image);
+    }
+}
+
+/// A barrier whose pages are moved ([`move_held`]) but not yet committed.
+pub(crate) struct Moved {
+    harvest: Harvest,
+}
+
+/// The first half of a barrier, which needs writers held: finds the pages
+/// written since the last barrier, re-arms their write tracking, copies
+/// them into the writable layer and stages its metadata. After it, what
+/// the guest writes belongs to the next barrier.
+///
+/// - a zero-mapped hole (nothing below) becomes a whole fresh cluster:
+///   copied entirely, recorded entirely, remapped shared;
+/// - a private cluster (data below) gets only its written pages copied
+///   into the writable layer's cluster and recorded (a partial bitmap: the
+///   rest still reads from below) and keeps its private mapping, so the
+///   guest keeps its pages; once the writable layer holds every page, the
+///   cluster is remapped shared.
+///
+/// On failure the harvest is kept ([`Tracking::unsaved`]) for the next
+/// barrier.
+fn move_held(st: &mut RegionState, stats: &mut BarrierStats) -> Result<Moved, BarrierError> {
+    let t = Instant::now();
+    let mut p = parts(st)?;
+    let found = p.tracking.harvest(p.view)?;
+    stats.private_pages = found.pages;
+    stats.tracked = found.tracked;
+    stats.two_walks = found.two_walks;
+    let harvest = found.harvest;
+    stats.scan = t.elapsed();
+    match p.move_pages(&harvest, stats) {
+        Ok(()) => {
+            // Only a saving: a barrier does not fail for it.
+            if let Err(e) = p.rehole_zero_clusters(stats) {
+                log::warn!("{}", pcow::check::error_chain(&e));
+            }
+            Ok(Moved { harvest })
+        }
+        Err(e) => {
+            p.tracking.unsaved = harvest;
+            Err(e)
         }
     }
 }
 
-/// Whether an error (or one of its sources) is the file system being out
-/// of space (ENOSPC) or quota (EDQUOT): the condition a VMM answers by
-/// pausing the guest until space is freed, like QEMU's `werror=enospc`.
-pub fn is_out_of_space(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if matches!(io.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
-                return true;
-            }
+/// The second half for snapshots and overlays, all under the state lock:
+/// makes the moved pages durable and commits the metadata (the image's
+/// `flush`: the syncs included). On failure the harvest is kept, and the next
+/// barrier copies its pages again (with whatever the guest wrote there
+/// since).
+fn commit_locked(
+    st: &mut RegionState,
+    moved: Moved,
+    stats: &mut BarrierStats,
+) -> Result<(), BarrierError> {
+    let t = Instant::now();
+    let image = st.image_mut()?;
+    // Shared mappings dirty the top file's page cache directly: always
+    // sync data before the metadata commit.
+    image.mark_data_written();
+    let r = image.flush();
+    stats.commit = t.elapsed();
+    match r {
+        Ok(()) => {
+            st.out_of_space = None;
+            Ok(())
         }
-        cur = err.source();
+        Err(e) => {
+            merge_harvest(&mut st.tracking.unsaved, moved.harvest);
+            Err(e.into())
+        }
     }
-    false
 }
 
-impl RegionState {
-    /// Maximal runs `[first, end)` of clusters in `state`.
-    fn cluster_runs(&self, state: ClusterState) -> Vec<(u64, u64)> {
-        let ([runs], _) = self.cluster_runs_of([state]);
-        runs
-    }
+/// A barrier's commit, staged under the state lock and not yet written.
+struct Staged {
+    commit: Commit,
+    moved: Moved,
+    /// Write faults that had fallen back to zeros when it was staged.
+    fallbacks: u64,
+}
 
-    /// Maximal runs of clusters in each of `states`, in one pass over the
-    /// clusters (a million at 64 GiB of 64 KiB clusters: a pass is about a
-    /// millisecond, which a barrier pays), and the clusters in each.
-    fn cluster_runs_of<const N: usize>(
-        &self,
-        states: [ClusterState; N],
-    ) -> ([Vec<(u64, u64)>; N], [u64; N]) {
-        let mut runs: [Vec<(u64, u64)>; N] = std::array::from_fn(|_| Vec::new());
-        let mut counts = [0u64; N];
-        let mut i = 0u64;
-        for same in self.clusters.chunk_by(|a, b| a == b) {
-            let n = same.len() as u64;
-            if let Some(k) = states.iter().position(|s| *s == same[0]) {
-                runs[k].push((i, i + n));
-                counts[k] += n;
-            }
-            i += n;
-        }
-        (runs, counts)
-    }
-
-    /// Starts write tracking of every private cluster (called once the
-    /// region is built). Without it (`enable` false, or a kernel without
-    /// WP-async) every barrier re-copies every private page: correct, but
-    /// its cost grows with what was ever written.
-    pub(crate) fn start_tracking(&mut self, enable: bool) {
-        if !enable {
-            return;
-        }
-        let tracker = match WriteTracker::new() {
-            Ok(t) => t,
-            Err(e) => {
-                log::warn!("no write tracking, barriers re-copy every private page: {e}");
-                return;
-            }
-        };
-        let base = self.mapping.base();
-        for (a, b) in self.cluster_runs(ClusterState::Private) {
-            if let Err(e) = tracker.register(base + a * self.cs, (b - a) * self.cs) {
-                log::warn!("no write tracking, barriers re-copy every private page: {e}");
-                return;
-            }
-        }
-        self.tracker = Some(tracker);
-        self.zero_tracker = self.uffd.write_tracker();
-    }
-
-    /// Tracks `[vcn, end)` (just mapped private); on failure gives up
-    /// tracking for the whole region (barriers then re-copy every private
-    /// page, which stays correct).
-    pub(crate) fn track(&mut self, vcn: u64, end: u64) {
-        let Some(t) = &self.tracker else {
-            return;
-        };
-        let base = self.mapping.base();
-        if let Err(e) = t.register(base + vcn * self.cs, (end - vcn) * self.cs) {
-            log::warn!("write tracking stopped, barriers re-copy every private page: {e}");
-            self.tracker = None;
+/// Stages the commit of a barrier whose pages are moved: the metadata
+/// slots written, the next header built (no sync). `None` when nothing is
+/// left to make durable. On failure the harvest is kept for the next
+/// barrier.
+fn stage(st: &mut RegionState, moved: Moved) -> Result<Option<Staged>, BarrierError> {
+    let fallbacks = st.counters.faults.fallbacks;
+    let image = st.image_mut()?;
+    // Shared mappings dirty the top file's page cache directly: always
+    // sync data before the metadata commit.
+    image.mark_data_written();
+    match image.begin_commit() {
+        Ok(Some(commit)) => Ok(Some(Staged {
+            commit,
+            moved,
+            fallbacks,
+        })),
+        Ok(None) => Ok(None),
+        Err(e) => {
+            merge_harvest(&mut st.tracking.unsaved, moved.harvest);
+            Err(e.into())
         }
     }
+}
 
-    /// The private page runs of the whole region, as addresses.
-    fn written_runs(&mut self) -> Result<Vec<(u64, u64)>, PagemapError> {
-        let base = self.mapping.base();
-        let mut runs = Vec::new();
-        self.scanner
-            .written(base, base + self.mapping.len() as u64, &mut runs)?;
-        Ok(runs)
-    }
-
-    /// The scanner's written pages of `[start, end)`, re-protected through
-    /// the tracker when `protect` (writers held).
-    fn written_since(
-        &mut self,
-        start: u64,
-        end: u64,
-        protect: bool,
-        runs: &mut Vec<(u64, u64)>,
-    ) -> Result<(), PagemapError> {
-        let tracker = if protect { self.tracker.as_ref() } else { None };
-        self.scanner.written_since(start, end, tracker, runs)
-    }
-
-    /// With write tracking: the pages of private clusters written since the
-    /// last barrier (write-protected again when `protect`: writers must be
-    /// held), then those of zero-mapped holes (likewise through the
-    /// monitor's userfaultfd; without it, every private page there), as
-    /// addresses, per scan sorted.
-    fn tracked_runs(&mut self, protect: bool) -> Result<Vec<(u64, u64)>, PagemapError> {
-        let base = self.mapping.base();
-        let cs = self.cs;
-        let mut runs = Vec::new();
-        let ([private_runs, zero_runs], counts) =
-            self.cluster_runs_of([ClusterState::Private, ClusterState::Zero]);
-        self.zero_counted = Some(counts[1]);
-        // Past the budget, this barrier moves each zero-mapped cluster with
-        // written pages (remapped shared) and returns the others to holes:
-        // protecting their pages would be wasted (a cluster a failure
-        // leaves zero-mapped is only reported again).
-        let protect_zero = protect && counts[1].saturating_mul(cs) <= self.zero_budget;
-        for (a, b) in private_runs {
-            let (start, end) = (base + a * cs, base + b * cs);
-            match self.written_since(start, end, protect, &mut runs) {
-                Err(PagemapError::NotTracked { .. }) => {
-                    // A private range nobody registered (a bookkeeping
-                    // slip): track it now; until now nothing was
-                    // write-protected there, so every private page of it
-                    // counts as written, which is what a retry reports.
-                    log::warn!("clusters {a}..{b}: private but not tracked; tracking now");
-                    self.track(a, b);
-                    if self.tracker.is_none() {
-                        return Err(PagemapError::NotTracked { start, end });
-                    }
-                    self.written_since(start, end, protect, &mut runs)?;
-                }
-                r => r?,
+/// Publishes a commit [`Commit::write`] made durable (or gives it back to
+/// the image when the write failed, keeping the harvest for the next
+/// barrier). Under the state lock.
+fn finish(
+    st: &mut RegionState,
+    staged: Staged,
+    written: Result<(), pcow::Error>,
+) -> Result<(), BarrierError> {
+    let Staged {
+        commit,
+        moved,
+        fallbacks,
+    } = staged;
+    let image = st.image_mut()?;
+    let r = match written {
+        Ok(()) => image.finish_commit(commit),
+        Err(e) => {
+            if let Err(a) = image.abort_commit(commit) {
+                log::error!("{}", pcow::check::error_chain(&a));
             }
+            Err(e)
         }
-        for (a, b) in zero_runs {
-            let (start, end) = (base + a * cs, base + b * cs);
-            if let Some(zt) = &self.zero_tracker {
-                let protect = if protect_zero { Some(zt) } else { None };
-                // A zero-mapped cluster is populated whole (the zero page
-                // or the guest's pages), so the protection never reaches
-                // an empty entry, whose marker UFFDIO_ZEROPAGE would
-                // refuse after a re-hole.
-                match self.scanner.written_since(start, end, protect, &mut runs) {
-                    Err(PagemapError::NotTracked { .. }) => {
-                        log::warn!(
-                            "zero-mapped clusters {a}..{b} not write-tracked; \
-                             barriers classify their pages"
-                        );
-                        self.zero_tracker = None;
-                    }
-                    r => {
-                        r?;
-                        continue;
-                    }
-                }
+    };
+    match r {
+        Ok(()) => {
+            // A write fault that fell back to zeros while the commit was
+            // written left a page this barrier did not move: its failure
+            // stays reported until the next barrier.
+            if st.counters.faults.fallbacks == fallbacks {
+                st.out_of_space = None;
             }
-            self.scanner.written(start, end, &mut runs)?;
+            Ok(())
         }
-        Ok(runs)
-    }
-
-    /// Private pages not yet moved into the image (pages a failed barrier
-    /// left may count twice: an upper bound). Without write tracking,
-    /// every private page counts (also those already in the image); with
-    /// the pagemap read fallback, zero pages of zero-mapped holes too (an
-    /// upper bound).
-    pub(crate) fn pending_pages(&mut self) -> Result<u64, PagemapError> {
-        let runs = if self.tracker.is_some() {
-            match self.tracked_runs(false) {
-                Ok(r) => r,
-                Err(PagemapError::NotTracked { .. }) => self.written_runs()?,
-                Err(e) => return Err(e),
-            }
-        } else {
-            self.written_runs()?
-        };
-        let unsaved: usize = self.unsaved.iter().map(|(_, p)| p.len()).sum();
-        Ok(runs.iter().map(|(a, b)| (b - a) / PAGE_SIZE).sum::<u64>() + unsaved as u64)
-    }
-
-    /// Whether the page at region offset `off` is all zeros.
-    ///
-    /// Only called with writers held, on pages that are present.
-    fn page_is_zero(&self, off: u64) -> bool {
-        let Ok(p) = self.mapping.ptr(off, PAGE_SIZE) else {
-            return false;
-        };
-        // `p` points to a mapped, readable page of the region (checked in
-        // bounds) and the page is present, so reading it cannot wait on
-        // the monitor.
-        // SAFETY: writers are held, so nothing writes the page while the
-        // slice lives.
-        let page = unsafe { std::slice::from_raw_parts(p, PAGE_SIZE as usize) };
-        page.iter().all(|&b| b == 0)
-    }
-
-    /// The written pages to move at this barrier, by cluster. Write
-    /// protection is re-armed on the pages returned (with tracking).
-    fn harvest(&mut self, stats: &mut BarrierStats) -> Result<Harvest, BarrierError> {
-        let base = self.mapping.base();
-        let cs = self.cs;
-        self.zero_counted = None;
-        stats.tracked = self.tracker.is_some();
-        let runs = if stats.tracked {
-            let before = self.scanner.two_walk_scans();
-            let runs = self.tracked_runs(true)?;
-            stats.two_walks = self.scanner.two_walk_scans() > before;
-            runs
-        } else {
-            self.written_runs()?
-        };
-        let fallback = self.scanner.method() == ScanMethod::Read;
-        let mut pages: Vec<(u64, u32)> = Vec::new();
-        for &(a, b) in &runs {
-            let mut p = a;
-            while p < b {
-                let off = p - base;
-                let vcn = off / cs;
-                // The read fallback cannot tell the zero page from a written
-                // page: an all-zero page over a zero view changes nothing.
-                let skip = fallback
-                    && self.clusters[vcn as usize] == ClusterState::Zero
-                    && self.page_is_zero(off);
-                if !skip {
-                    pages.push((vcn, ((off % cs) / PAGE_SIZE) as u32));
-                }
-                p += PAGE_SIZE;
-            }
-        }
-        pages.sort_unstable();
-        pages.dedup();
-        stats.private_pages = pages.len() as u64;
-        let mut out: Harvest = Vec::new();
-        for (vcn, page) in pages {
-            match out.last_mut() {
-                Some((v, list)) if *v == vcn => list.push(page),
-                _ => out.push((vcn, vec![page])),
-            }
-        }
-        Ok(out)
-    }
-
-    /// Moves every written private page into the writable layer and
-    /// commits: the barrier proper. Writers must be held by the caller.
-    ///
-    /// - a zero-mapped hole (nothing below) becomes a whole fresh cluster:
-    ///   copied entirely, recorded entirely, remapped shared;
-    /// - a private cluster (data below) gets only its written pages copied
-    ///   into the writable layer's cluster and recorded (a partial bitmap:
-    ///   the rest still reads from below) and keeps its private mapping, so
-    ///   the guest keeps its pages; once the writable layer holds every
-    ///   page, the cluster is remapped shared.
-    ///
-    /// A barrier that fails commits nothing and keeps what it harvested for
-    /// the next one ([`RegionState::unsaved`]), so a later barrier that
-    /// succeeds moves every page written before it.
-    pub(crate) fn barrier_held(&mut self) -> Result<BarrierStats, BarrierError> {
-        let mut stats = BarrierStats::default();
-        let moved = self.barrier_move(&mut stats)?;
-        self.barrier_commit(moved, &mut stats)?;
-        Ok(stats)
-    }
-
-    /// The first half of a barrier, which needs writers held: finds the
-    /// pages written since the last barrier, re-arms their write tracking,
-    /// copies them into the writable layer and stages its metadata. After
-    /// it, what the guest writes belongs to the next barrier, so writers
-    /// may run during [`RegionState::barrier_commit`].
-    pub(crate) fn barrier_move(&mut self, stats: &mut BarrierStats) -> Result<Moved, BarrierError> {
-        let t = Instant::now();
-        let mut harvest = self.harvest(stats)?;
-        merge_harvest(&mut harvest, std::mem::take(&mut self.unsaved));
-        stats.scan = t.elapsed();
-        match self.move_pages(&harvest, stats) {
-            Ok(()) => {
-                // Only a saving: a barrier does not fail for it.
-                if let Err(e) = self.rehole_zero_clusters(stats) {
-                    log::warn!("{}", pcow::check::error_chain(&e));
-                }
-                Ok(Moved { harvest })
-            }
-            Err(e) => {
-                self.unsaved = harvest;
-                Err(e)
-            }
+        Err(e) => {
+            merge_harvest(&mut st.tracking.unsaved, moved.harvest);
+            Err(e.into())
         }
     }
+}
 
-    /// The second half: makes the moved pages durable and commits the
-    /// metadata (the image's barrier: data and slots, sync, header, sync).
-    /// On failure the harvest is kept, and the next barrier copies its
-    /// pages again (with whatever the guest wrote there since).
-    pub(crate) fn barrier_commit(
-        &mut self,
-        moved: Moved,
-        stats: &mut BarrierStats,
-    ) -> Result<(), BarrierError> {
-        let t = Instant::now();
-        // Shared mappings dirty the top file's page cache directly: always
-        // sync data before the metadata commit.
-        self.image.mark_data_written();
-        let r = self.image.flush();
-        stats.commit = t.elapsed();
-        match r {
-            Ok(()) => {
-                self.out_of_space = None;
-                Ok(())
-            }
-            Err(e) => {
-                self.unsaved = moved.harvest;
-                Err(e.into())
-            }
+/// A barrier (the guest's FLUSH, the API's): see the module documentation
+/// for its steps and locks. The commit's syncs run with neither writers
+/// nor the state lock held.
+pub(crate) fn barrier(
+    shared: &Shared,
+    quiesce: &dyn Quiesce,
+) -> Result<BarrierStats, BarrierError> {
+    let _serial = shared.serialize();
+    // Hold first, lock second: the monitor must be able to serve a
+    // writer's fault while the hold waits for that writer.
+    let held = hold(quiesce)?;
+    let t = Instant::now();
+    let mut st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
+    prepare(&mut st)?;
+    // The pool worker starts no new piece of a refill while the pages are
+    // copied and the commit staged: the barrier's writes to the file wait
+    // for at most the piece in flight. It refills again during the syncs,
+    // for the faults served meanwhile.
+    let quiet = st.pool.quiet();
+    let mut stats = BarrierStats::default();
+    let staged = move_held(&mut st, &mut stats).and_then(|moved| stage(&mut st, moved));
+    drop(quiet);
+    // Copied and re-protected: what the guest writes from here on belongs
+    // to the next barrier.
+    drop(held);
+    stats.held = t.elapsed();
+    let r = match staged {
+        Err(e) => Err(e),
+        Ok(None) => {
+            st.out_of_space = None;
+            Ok(())
         }
-    }
+        Ok(Some(mut staged)) => {
+            drop(st);
+            let tc = Instant::now();
+            let written = staged.commit.write();
+            stats.commit = tc.elapsed();
+            st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
+            finish(&mut st, staged, written)
+        }
+    };
+    request_refill(&mut st);
+    r.map(|()| stats)
+}
 
+/// A whole barrier with writers held and the state lock held throughout
+/// (snapshots and overlays, which change the image right after it).
+pub(crate) fn barrier_locked(st: &mut RegionState) -> Result<BarrierStats, BarrierError> {
+    prepare(st)?;
+    let _quiet = st.pool.quiet();
+    let mut stats = BarrierStats::default();
+    let moved = move_held(st, &mut stats)?;
+    commit_locked(st, moved, &mut stats)?;
+    Ok(stats)
+}
+
+/// Holds the writers, runs a barrier, then `op` on the state (so what
+/// `op` commits to the image's metadata points only at durable data), and
+/// refills the pool; writers and the state lock are held throughout.
+pub(crate) fn after_barrier<T>(
+    shared: &Shared,
+    quiesce: &dyn Quiesce,
+    op: impl FnOnce(&mut RegionState) -> Result<T, BarrierError>,
+) -> Result<T, BarrierError> {
+    let _serial = shared.serialize();
+    let _held = hold(quiesce)?;
+    let mut st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
+    barrier_locked(&mut st)?;
+    let r = op(&mut st)?;
+    request_refill(&mut st);
+    Ok(r)
+}
+
+/// After a snapshot: every shared cluster is read-only history now; map it
+/// private (same file, same offsets, same content). Writers must be held.
+pub(crate) fn demote_shared(st: &mut RegionState) -> Result<u64, BarrierError> {
+    parts(st)?.demote_shared()
+}
+
+impl Parts<'_> {
     /// Past the zero budget, turns every zero-mapped cluster that the image
     /// holds nothing for back into a hole: its page tables go, so the next
     /// scans skip it. Writers must be held, and the barrier's pages moved:
@@ -605,15 +417,15 @@ impl RegionState {
     fn rehole_zero_clusters(&mut self, stats: &mut BarrierStats) -> Result<(), BarrierError> {
         // Counted by this barrier's scan (an upper bound: the move may
         // have turned some into shared clusters); counted here otherwise.
-        let zero = match self.zero_counted.take() {
+        let zero = match self.tracking.zero_counted.take() {
             Some(n) => n,
-            None => self.cluster_runs_of([ClusterState::Zero]).1[0],
+            None => self.view.clusters.runs_of([ClusterState::Zero]).1[0],
         };
-        if zero.saturating_mul(self.cs) <= self.zero_budget {
+        if zero.saturating_mul(self.view.cs) <= self.tracking.zero_budget {
             return Ok(());
         }
-        let cs = self.cs;
-        for (a, b) in self.cluster_runs(ClusterState::Zero) {
+        let cs = self.view.cs;
+        for (a, b) in self.view.clusters.runs(ClusterState::Zero) {
             let mut vcn = a;
             while vcn < b {
                 // Runs of clusters the image has nothing for, one madvise
@@ -623,16 +435,15 @@ impl RegionState {
                     vcn += 1;
                 }
                 if vcn > start {
-                    self.mapping
+                    self.view
+                        .mapping
                         .discard(start * cs, (vcn - start) * cs)
                         .map_err(|source| BarrierError::Rehole {
                             vcn: start,
                             count: vcn - start,
                             source,
                         })?;
-                    for c in &mut self.clusters[start as usize..vcn as usize] {
-                        *c = ClusterState::Hole;
-                    }
+                    self.view.clusters.set(start, vcn, ClusterState::Hole);
                     stats.reholed += vcn - start;
                 }
                 vcn += u64::from(vcn < b);
@@ -647,12 +458,12 @@ impl RegionState {
         harvest: &Harvest,
         stats: &mut BarrierStats,
     ) -> Result<(), BarrierError> {
-        let cs = self.cs;
+        let cs = self.view.cs;
         let npages = (cs / PAGE_SIZE) as usize;
         let t = Instant::now();
         for (vcn, pages) in harvest {
             let (vcn, pages) = (*vcn, pages.as_slice());
-            let state = self.clusters[vcn as usize];
+            let state = self.view.clusters.get(vcn);
             match state {
                 ClusterState::Zero | ClusterState::Private => {}
                 // Carried over from a failed barrier that had already
@@ -668,7 +479,7 @@ impl RegionState {
             // Every page is copied (pwrite) before the cluster is mapped:
             // only those pages need space.
             let ac = self.image.active_cluster_written(vcn)?;
-            let fd = self.top_fd().map_err(|source| BarrierError::Copy {
+            let fd = top_fd(self.image).map_err(|source| BarrierError::Copy {
                 vcn,
                 file_offset: ac.file_offset,
                 source,
@@ -681,17 +492,10 @@ impl RegionState {
                 stats.pages_copied += npages as u64;
                 self.remap_shared(vcn, fd, ac.file_offset, stats)?;
             } else {
-                let mut i = 0;
-                while i < pages.len() {
-                    let first = pages[i];
-                    let mut n = 1;
-                    while i + n < pages.len() && pages[i + n] == first + n as u32 {
-                        n += 1;
-                    }
-                    let from = u64::from(first) * PAGE_SIZE;
-                    self.copy_out(vcn, fd, ac.file_offset, from, n as u64 * PAGE_SIZE)?;
-                    self.image.record_pages(vcn, first as usize, n)?;
-                    i += n;
+                for (first, end) in index_runs(pages.iter().map(|&p| u64::from(p))) {
+                    let n = end - first;
+                    self.copy_out(vcn, fd, ac.file_offset, first * PAGE_SIZE, n * PAGE_SIZE)?;
+                    self.image.record_pages(vcn, first as usize, n as usize)?;
                 }
                 stats.pages_copied += pages.len() as u64;
                 stats.clusters_partial += 1;
@@ -717,10 +521,14 @@ impl RegionState {
         file_offset: u64,
         stats: &mut BarrierStats,
     ) -> Result<(), BarrierError> {
-        let cs = self.cs;
-        match self.mapping.map_file(vcn * cs, cs, fd, file_offset, true) {
+        let cs = self.view.cs;
+        match self
+            .view
+            .mapping
+            .map_file(vcn * cs, cs, fd, file_offset, true)
+        {
             Ok(()) => {
-                self.clusters[vcn as usize] = ClusterState::Shared;
+                self.view.clusters.set(vcn, vcn + 1, ClusterState::Shared);
                 stats.clusters_remapped += 1;
                 Ok(())
             }
@@ -750,7 +558,7 @@ impl RegionState {
         from: u64,
         len: u64,
     ) -> Result<(), BarrierError> {
-        let cs = self.cs;
+        let cs = self.view.cs;
         let err = |source| BarrierError::Copy {
             vcn,
             file_offset,
@@ -759,7 +567,7 @@ impl RegionState {
         if from.checked_add(len).is_none_or(|e| e > cs) {
             return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
         }
-        let p = self.mapping.ptr(vcn * cs + from, len).map_err(err)?;
+        let p = self.view.mapping.ptr(vcn * cs + from, len).map_err(err)?;
         let mut done = 0u64;
         while done < len {
             let off = libc::off_t::try_from(file_offset + from + done)
@@ -789,69 +597,42 @@ impl RegionState {
     }
 
     /// After a snapshot: every shared cluster is read-only history now;
-    /// map it private (same file, same offsets, same content). Writers
-    /// must be held.
-    pub(crate) fn demote_shared(&mut self) -> Result<u64, BarrierError> {
-        let cs = self.cs;
-        let n = self.clusters.len() as u64;
-        let fd = self
-            .top_fd()
-            .map_err(|source| BarrierError::Remap { vcn: 0, source })?;
+    /// map it private (same file, same offsets, same content), in runs
+    /// contiguous in the file. Writers must be held.
+    fn demote_shared(&mut self) -> Result<u64, BarrierError> {
+        let cs = self.view.cs;
+        let fd = top_fd(self.image).map_err(|source| BarrierError::Remap { vcn: 0, source })?;
+        let mut runs = Vec::new();
+        for (a, b) in self.view.clusters.runs(ClusterState::Shared) {
+            for vcn in a..b {
+                let ClusterSource::ReadOnly { depth: 0, offset } = self.image.cluster_source(vcn)
+                else {
+                    return Err(BarrierError::Remap {
+                        vcn,
+                        source: std::io::Error::other("a shared cluster is not in the snapshot"),
+                    });
+                };
+                push_run(
+                    &mut runs,
+                    FileRun {
+                        vcn,
+                        end: vcn + 1,
+                        offset,
+                        cs,
+                    },
+                );
+            }
+        }
         let mut demoted = 0;
-        let mut vcn = 0;
-        while vcn < n {
-            if self.clusters[vcn as usize] != ClusterState::Shared {
-                vcn += 1;
-                continue;
-            }
-            let pcow::ClusterSource::ReadOnly { depth: 0, offset } = self.image.cluster_source(vcn)
-            else {
-                return Err(BarrierError::Remap {
-                    vcn,
-                    source: std::io::Error::other("a shared cluster is not in the snapshot"),
-                });
-            };
-            // Extend over following shared clusters contiguous in the file.
-            let mut end = vcn + 1;
-            while end < n
-                && self.clusters[end as usize] == ClusterState::Shared
-                && self.image.cluster_source(end)
-                    == (pcow::ClusterSource::ReadOnly {
-                        depth: 0,
-                        offset: offset + (end - vcn) * cs,
-                    })
-            {
-                end += 1;
-            }
-            self.mapping
-                .map_file(vcn * cs, (end - vcn) * cs, fd, offset, false)
-                .map_err(|source| BarrierError::Remap { vcn, source })?;
-            for v in vcn..end {
-                self.clusters[v as usize] = ClusterState::Private;
-            }
+        for r in runs {
+            self.view
+                .map_clusters(r.vcn, r.end, fd, r.offset, false)
+                .map_err(|source| BarrierError::Remap { vcn: r.vcn, source })?;
             // The new private mapping must be tracked: writes to it are
             // copy-on-write from now on.
-            self.track(vcn, end);
-            demoted += end - vcn;
-            vcn = end;
+            self.tracking.track(self.view, r.vcn, r.end);
+            demoted += r.end - r.vcn;
         }
         Ok(demoted)
     }
-}
-
-/// A barrier whose pages are moved ([`RegionState::barrier_move`]) but not
-/// yet committed.
-pub(crate) struct Moved {
-    harvest: Harvest,
-}
-
-/// Runs `f` with writers held; measures the hold.
-pub(crate) fn with_hold<T>(
-    q: &dyn Quiesce,
-    f: impl FnOnce() -> Result<T, BarrierError>,
-) -> Result<(T, Duration), BarrierError> {
-    let _held = hold(q)?;
-    let t = Instant::now();
-    let r = f()?;
-    Ok((r, t.elapsed()))
 }

@@ -32,7 +32,7 @@ pub enum FlushError {
 impl FlushError {
     /// Sorts a barrier's error: out of space stalls, anything else fails.
     pub fn from_error(e: Box<dyn std::error::Error + Send + Sync>) -> FlushError {
-        if crate::barrier::is_out_of_space(&*e) {
+        if crate::health::is_out_of_space(&*e) {
             FlushError::NoSpace(e)
         } else {
             FlushError::Failed(e)

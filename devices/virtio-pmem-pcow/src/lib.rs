@@ -2,48 +2,107 @@
 //!
 //! The crate knows nothing of KVM or PCI. A VMM gives it guest memory and a
 //! virtqueue; it parses requests ([`request`]), answers them through a
-//! [`device::FlushBackend`] and exposes the config space ([`device`]). Raw
-//! files are mapped as upstream Cloud Hypervisor does ([`raw`]).
+//! [`FlushBackend`] and exposes the config space ([`device`]). Raw files
+//! are mapped as upstream Cloud Hypervisor does ([`raw`]).
 //!
-//! A pcow chain becomes one host region ([`region`]): writable clusters
-//! mapped shared, read-only layers private, holes served by the
-//! userfaultfd [`monitor`] (an fd for the VMM's epoll loop). The [`barrier`]
-//! moves copy-on-write pages into the image and commits it; [`PcowRegion`]
-//! ([`pcow_device`]) is what a VMM holds (FLUSH, live snapshot, live
-//! overlay, status). The [`pool`] worker pre-allocates clusters off the
-//! fault path and signals an eventfd the monitor exposes as its second fd.
-//! [`pagemap`] wraps `PAGEMAP_SCAN`.
+//! A pcow chain becomes one host region: writable clusters mapped shared,
+//! read-only layers private, holes served by userfaultfd. [`PcowRegion`]
+//! is what a VMM holds (FLUSH, live snapshot, live overlay, status); its
+//! [`Monitor`] serves the faults. Copy-on-write pages are found with
+//! userfaultfd write-protect-async tracking and `PAGEMAP_SCAN`
+//! ([`pagemap`]), and stored per 4 KiB page.
 //!
-//! Copy-on-write pages are found with userfaultfd write-protect-async
-//! tracking and `PAGEMAP_SCAN`, and stored per 4 KiB page. The scan walks
-//! the page tables the guest has populated: its cost follows what was
-//! touched, not the image's size, but it is not a log of the writes (a
-//! large base the guest has read costs about 0.4 ms per GiB at every
-//! barrier). The monitor polls its userfaultfd briefly after a fault
-//! ([`fault_poll`]).
+//! # Modules, lowest first
+//!
+//! - `mapping`: the reservation the region is mapped over, and the
+//!   process's mapping limits;
+//! - [`uffd`]: the userfaultfd ABI and `Uffd`; [`pagemap`]: `PAGEMAP_SCAN`
+//!   and the write tracker;
+//! - `clusters`: cluster states and runs (the one place that merges
+//!   adjacent ranges); `plan`: the mappings of an image's layout;
+//!   `view`: the reservation, the userfaultfd and the cluster states;
+//! - `health`: typed failures kept for the status; `quiesce`: holding
+//!   writers; `pool`: the pre-allocation worker; `fault_poll`: the
+//!   monitor's adaptive poll window; `request`, `device`: the virtqueue's
+//!   requests and the device model; `raw`: raw files;
+//! - `harvest`: write tracking and the pages a barrier moves; `state`:
+//!   the region state and its locks; `build`: building a region;
+//! - `fault`: fault resolution and the [`Monitor`]; `barrier`: the
+//!   barrier; `overlay`: live overlays; [`MonitorThread`]: the monitor's
+//!   thread;
+//! - `region`: [`PcowRegion`], the facade.
+//!
+//! # Threads
+//!
+//! - the monitor thread ([`MonitorThread`], one per device) serves the
+//!   userfaultfd (faults into holes, and wakes) and the pool's eventfd;
+//! - a barrier, a snapshot and an overlay run on their caller's thread (the
+//!   device's queue for a guest FLUSH, the VMM's for the API);
+//! - the pool worker (one per device) reserves clusters with `fallocate`
+//!   off the fault path and signals the pool's eventfd.
+//!
+//! # Locks, in the order they are taken
+//!
+//! 1. the barrier lock (`Shared::serialize`): one barrier, snapshot or
+//!    overlay of a device at a time;
+//! 2. the writers' hold ([`Quiesce::hold`], the VMM pauses its vCPUs):
+//!    taken without the state lock, so the monitor serves the faults of
+//!    the writers the hold waits for;
+//! 3. the state lock (`Shared::lock`): the cluster states, the mapping,
+//!    the image in memory, the pool's bookkeeping. The monitor takes it
+//!    alone, per batch of faults. It is held for in-memory work, mmap and
+//!    ioctl calls and writes into the page cache (a barrier's copy of the
+//!    written pages into the file; an allocation when the pre-allocated
+//!    pool is empty), never across a sync by a FLUSH barrier: it drops the
+//!    lock (and the writers) before the commit's syncs and takes it again
+//!    to publish the commit, so a fault never waits for a sync. Snapshots
+//!    and overlays keep it (and the writers) through their commits, so
+//!    faults wait for them. `status` copies under it and scans the page
+//!    tables and reads `/proc/self/maps` without it;
+//! 4. the pool's channel (the worker's request and completions) and the
+//!    write gate's state: innermost, held for a few instructions.
+//!
+//! Nothing takes a lock above one it holds; the monitor's poll state is
+//! taken only by the thread serving the userfaultfd, before the state lock.
 #![warn(missing_docs)]
 
-pub mod barrier;
+mod barrier;
+mod build;
+mod clusters;
 pub mod device;
+mod fault;
 pub mod fault_poll;
-pub mod monitor;
-pub mod monitor_thread;
+mod harvest;
+mod health;
+mod mapping;
+mod monitor_thread;
+mod overlay;
 pub mod pagemap;
-pub mod pcow_device;
-pub mod pool;
+mod plan;
+mod pool;
+mod quiesce;
 pub mod raw;
-pub mod region;
+mod region;
 pub mod request;
+mod state;
 pub mod uffd;
+mod view;
 
-pub use barrier::{is_out_of_space, BarrierError, BarrierStats, Quiesce, QuiesceError, WriteGate};
+pub use barrier::{BarrierError, BarrierStats};
+pub use build::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET};
 pub use device::{
-    FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE, QUEUE_SIZE,
+    DeviceError, FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE,
+    QUEUE_SIZE,
 };
-pub use monitor::{FaultCounters, Monitor, MonitorError};
+pub use fault::{Monitor, MonitorError, NoCluster};
+pub use health::{is_out_of_space, Failure};
+pub use mapping::{max_map_count, MapsError};
 pub use monitor_thread::{MonitorReport, MonitorThread};
-pub use pcow_device::{OverlayError, OverlayInfo, PcowRegion, Status};
-pub use pool::{PoolOptions, PoolStatus};
+pub use overlay::{OverlayError, OverlayInfo};
+pub use pool::{default_pool_bytes, PoolOptions, PoolStatus};
+pub use quiesce::{GateEntry, Quiesce, QuiesceError, WriteGate};
 pub use raw::{RawError, RawRegion};
-pub use region::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET};
+pub use region::{PcowRegion, Status};
 pub use request::{parse, Request, RequestError, RequestType};
+pub use state::{FaultCounters, NoImage};
+pub use uffd::{Uffd, UffdError};

@@ -17,7 +17,8 @@ use std::thread::JoinHandle;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::monitor::{Monitor, MonitorError};
+use crate::fault::{Monitor, MonitorError};
+use crate::uffd::UffdError;
 
 /// What the thread tells its VMM.
 #[derive(Debug)]
@@ -96,7 +97,9 @@ fn serve(epoll: &Epoll, m: &Monitor, report: &dyn Fn(MonitorReport)) {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => {
                 log::error!("monitor thread: epoll_wait: {e}");
-                report(MonitorReport::Failed(MonitorError::Read(e)));
+                report(MonitorReport::Failed(MonitorError::Uffd(UffdError::Read(
+                    e,
+                ))));
                 return;
             }
         };

@@ -12,13 +12,13 @@
 //! write into anonymous memory. The structures below are those of the
 //! kernel's `include/uapi/linux/fs.h`.
 
-use crate::uffd;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 
-/// Page size the scanner works in.
-pub const PAGE_SIZE: u64 = 4096;
+use crate::clusters::push_run;
+pub use crate::mapping::PAGE_SIZE;
+use crate::uffd;
 
 const PAGE_IS_WRITTEN: u64 = 1 << 1;
 const PAGE_IS_FILE: u64 = 1 << 2;
@@ -181,20 +181,12 @@ fn to_protect(
         while k < tables.len() && tables[k].0 < b {
             let (x, y) = (a.max(tables[k].0), b.min(tables[k].1));
             if x < y {
-                push_run(&mut out, x, y);
+                push_run(&mut out, (x, y));
             }
             k += 1;
         }
     }
     out
-}
-
-/// Appends `[a, b)` to `out`, merged with the last run when adjacent.
-fn push_run(out: &mut Vec<(u64, u64)>, a: u64, b: u64) {
-    match out.last_mut() {
-        Some(last) if last.1 == a => last.1 = b,
-        _ => out.push((a, b)),
-    }
 }
 
 /// A handle on `/proc/self/pagemap`.
@@ -330,7 +322,7 @@ impl PageScanner {
             // protection is a page-table walk and a TLB flush of its own.
             let mut runs = Vec::new();
             for &(a, b, _) in &classified {
-                push_run(&mut runs, a, b);
+                push_run(&mut runs, (a, b));
             }
             runs
         } else {
@@ -347,7 +339,7 @@ impl PageScanner {
         };
         for &(a, b, cat) in &classified {
             if cat & (PAGE_IS_FILE | PAGE_IS_PFNZERO) == 0 {
-                push_run(out, a, b);
+                push_run(out, (a, b));
             }
         }
         if let Some(tracker) = protect {
@@ -412,7 +404,7 @@ impl PageScanner {
         let mut runs = Vec::new();
         self.scan_ioctl_with(start, end, 0, private, &mut runs)?;
         for (a, b, _) in runs {
-            push_run(out, a, b);
+            push_run(out, (a, b));
         }
         Ok(())
     }

@@ -33,11 +33,26 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use pcow::Image;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::health::Failure;
+
+/// A refill the worker could not reserve.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: pre-allocating {len} bytes at {offset:#x}", path.display())]
+pub(crate) struct ReserveError {
+    path: PathBuf,
+    offset: u64,
+    len: u64,
+    #[source]
+    source: io::Error,
+}
 
 /// The smallest default pool (the library's pool size).
 pub const DEFAULT_POOL_MIN_BYTES: u64 = 4 << 20;
@@ -111,48 +126,6 @@ pub struct PoolStatus {
     pub inline_allocations: u64,
     /// Refills that failed (`fallocate` errors such as ENOSPC).
     pub failures: u64,
-}
-
-/// A non-blocking, close-on-exec eventfd.
-#[derive(Debug)]
-pub(crate) struct EventFd(OwnedFd);
-
-impl EventFd {
-    pub(crate) fn new() -> io::Result<EventFd> {
-        // SAFETY: eventfd takes two integers and returns a new fd or -1.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by the kernel and nobody else owns it.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    /// Adds one to the counter (makes the fd readable).
-    fn signal(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live local buffer to our own fd.
-        let r = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-        if r < 0 {
-            // Only EAGAIN (counter at its maximum) is possible, and then the
-            // fd is readable anyway.
-            log::debug!("pool eventfd: {}", io::Error::last_os_error());
-        }
-    }
-
-    /// Resets the counter (the fd stops being readable).
-    pub(crate) fn drain(&self) {
-        let mut buf = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local buffer from our
-        // own non-blocking fd; EAGAIN (nothing pending) is fine.
-        unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-    }
-}
-
-impl AsRawFd for EventFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
 }
 
 /// One finished request.
@@ -287,7 +260,11 @@ fn worker_loop(file: File, chan: Arc<Chan>, efd: Arc<EventFd>) {
             len,
             result,
         });
-        efd.signal();
+        if let Err(e) = efd.write(1) {
+            // Only EAGAIN (counter at its maximum) is possible, and then
+            // the fd is readable anyway.
+            log::debug!("pool eventfd: {e}");
+        }
     }
 }
 
@@ -304,7 +281,7 @@ pub(crate) struct PoolCtl {
     stats: PoolStatus,
     /// The last refill or allocation failure, cleared by a refill that
     /// succeeds.
-    error: Option<String>,
+    error: Option<Failure>,
     /// The range whose reservation failed last: not asked for again until
     /// the shortfall changes (a fault that gets a cluster inline after
     /// space was freed changes it), so a full disk costs one failed
@@ -318,7 +295,10 @@ impl PoolCtl {
     /// registers it once); the worker starts with [`PoolCtl::start`].
     /// Without an eventfd (logged) the pool refills inline.
     pub(crate) fn new(opts: &PoolOptions, cs: u64, pool_clusters: u64) -> PoolCtl {
-        let efd = match opts.worker.then(EventFd::new) {
+        let efd = match opts
+            .worker
+            .then(|| EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC))
+        {
             Some(Ok(e)) => Some(Arc::new(e)),
             Some(Err(e)) => {
                 log::warn!("no pre-allocation worker (eventfd: {e}), the pool refills inline");
@@ -416,18 +396,18 @@ impl PoolCtl {
                         self.stats.stale_refills += 1;
                     }
                 }
-                Err(e) => {
+                Err(source) => {
                     self.stats.failures += 1;
-                    let msg = format!(
-                        "{}: pre-allocating {} bytes at {:#x}: {e}",
-                        image.path().display(),
-                        d.len,
-                        d.offset
-                    );
+                    let e = Failure::new(ReserveError {
+                        path: image.path().to_owned(),
+                        offset: d.offset,
+                        len: d.len,
+                        source,
+                    });
                     if self.error.is_none() {
-                        log::error!("{msg}");
+                        log::error!("{}", pcow::check::error_chain(&e));
                     }
-                    self.error = Some(msg);
+                    self.error = Some(e);
                     self.failed = Some((d.offset, d.len));
                 }
             }
@@ -483,11 +463,12 @@ impl PoolCtl {
     }
 
     /// A write fault could not get a cluster.
-    pub(crate) fn note_failure(&mut self, msg: String) {
-        self.error = Some(msg);
+    pub(crate) fn note_failure(&mut self, e: Failure) {
+        self.error = Some(e);
     }
 
-    pub(crate) fn error(&self) -> Option<String> {
+    /// The last refill or allocation failure.
+    pub(crate) fn error(&self) -> Option<Failure> {
         self.error.clone()
     }
 

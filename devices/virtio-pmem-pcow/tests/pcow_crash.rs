@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::monitor::Uffd;
-use virtio_pmem_pcow::{PcowRegion, Quiesce, RegionOptions, WriteGate};
+use virtio_pmem_pcow::Uffd;
+use virtio_pmem_pcow::{MonitorThread, PcowRegion, Quiesce, RegionOptions, WriteGate};
 
 const CHILD_PATH: &str = "PCOW_CRASH_CHILD_IMAGE";
 const CHILD_SEED: &str = "PCOW_CRASH_CHILD_SEED";
@@ -295,17 +295,11 @@ fn crash_child() {
     });
     let (region, monitor) =
         PcowRegion::open(Path::new(&path), gate.clone(), &RegionOptions::default()).unwrap();
-    std::thread::spawn(move || loop {
-        let mut pfd = libc::pollfd {
-            fd: monitor.fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the call.
-        if unsafe { libc::poll(&mut pfd, 1, 50) } > 0 {
-            monitor.handle_ready().expect("monitor");
-        }
-    });
+    // The crate's own monitor thread, as a VMM runs it.
+    let _monitor = MonitorThread::spawn("pcow-monitor", Arc::new(monitor), |r| {
+        panic!("monitor: {r:?}")
+    })
+    .expect("monitor thread");
     let (base, len) = (region.host_addr() as usize, region.len());
     // Read some holes first: they become zero-mapped clusters, whose
     // writes are harvested (not faulted in).

@@ -68,7 +68,7 @@ fn open_discarding(path: &Path, temp: &TempOptions) -> Rig {
             .expect("open a discarding region");
     Rig {
         region,
-        monitor: MonitorThread::spawn(monitor),
+        monitor: serve(monitor),
         gate,
     }
 }

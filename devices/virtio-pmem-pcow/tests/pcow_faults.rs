@@ -14,7 +14,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use common::*;
-use pcow::io::{FileStorage, Storage};
+use pcow::io::{CommitIo, FileStorage, Storage};
 use pcow::{Image, OpenOptions};
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_pmem_pcow::{
@@ -96,6 +96,31 @@ impl Storage for FaultyStorage {
     }
     fn file(&self) -> Option<&std::fs::File> {
         self.inner.file()
+    }
+    /// The barrier's syncs and header write go through this handle: they
+    /// fail on demand as the storage's own do.
+    fn commit_io(&self) -> io::Result<Box<dyn CommitIo>> {
+        Ok(Box::new(FaultyCommitIo {
+            inner: self.inner.commit_io()?,
+            faults: self.faults.clone(),
+        }))
+    }
+}
+
+/// A [`FaultyStorage`]'s commit handle.
+struct FaultyCommitIo {
+    inner: Box<dyn CommitIo>,
+    faults: Arc<Faults>,
+}
+
+impl CommitIo for FaultyCommitIo {
+    fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.faults.hit("write")?;
+        self.inner.write_at(buf, offset)
+    }
+    fn sync(&mut self) -> io::Result<()> {
+        self.faults.hit("sync")?;
+        self.inner.sync()
     }
 }
 
@@ -229,7 +254,7 @@ fn an_io_error_on_a_barrier_is_eio_and_the_next_barrier_saves_everything() {
     };
     let (region, monitor) =
         PcowRegion::from_image_with(image, gate.clone(), &opts, &PoolOptions::inline()).unwrap();
-    let monitor = MonitorThread::spawn(monitor);
+    let monitor = serve(monitor);
     let region = Arc::new(region);
     let mut dev = PmemDevice::new(1 << 32, region.len(), Backend(region.clone()));
     let mut g = Guest {

@@ -625,7 +625,7 @@ fn zero_budget_case(fallback: bool) {
     let (region, monitor) = PcowRegion::open(&path, gate.clone(), &opts).unwrap();
     let rig = Rig {
         region,
-        monitor: MonitorThread::spawn(monitor),
+        monitor: serve(monitor),
         gate,
     };
     let mut model = vec![0u8; (clusters * K64) as usize];
@@ -681,7 +681,7 @@ fn writes_into_zero_pages_a_barrier_protected_are_found() {
         PcowRegion::open(&path, gate.clone(), &RegionOptions::default()).unwrap();
     let rig = Rig {
         region,
-        monitor: MonitorThread::spawn(monitor),
+        monitor: serve(monitor),
         gate,
     };
     if !rig.region.barrier().unwrap().tracked {

@@ -51,7 +51,7 @@ impl Quiesce for MarkingGate {
 /// A region, its monitor thread and the gate the "guest" writes through.
 struct Rig {
     region: PcowRegion,
-    monitor: MonitorThread,
+    monitor: Served,
     gate: Arc<WriteGate>,
     marking: Arc<MarkingGate>,
     log: Arc<Mutex<Vec<(u64, u8)>>>,
@@ -74,7 +74,7 @@ impl Rig {
             PcowRegion::open_with(path, marking.clone(), opts, pool).expect("open region");
         Rig {
             region,
-            monitor: MonitorThread::spawn(monitor),
+            monitor: serve(monitor),
             gate,
             marking,
             log,
@@ -112,9 +112,8 @@ impl Rig {
         let Rig {
             region, monitor, ..
         } = self;
-        let m = monitor.stop();
+        monitor.stop();
         drop(region);
-        drop(m);
     }
 }
 
@@ -710,8 +709,13 @@ fn a_full_disk_is_reported_and_nothing_is_lost_once_space_is_freed() {
     );
     assert!(st.faults.fallbacks > 0, "{st:?}");
     assert!(st.faults.write_faults > 0 && st.faults.write_faults < N);
-    let err = st.pool_error.expect("pool_error set");
-    assert!(err.contains("No space left on device"), "{err}");
+    let err = st.pool_error.clone().expect("pool_error set");
+    assert!(err.is_out_of_space(), "{}", chain(&err));
+    assert!(
+        chain(&err).contains("No space left on device"),
+        "{}",
+        chain(&err)
+    );
     // The guest still sees its writes (the fallback clusters hold them in
     // private memory) ...
     same(&rig.read(0, model.len()), &model, "region on a full disk");
@@ -721,8 +725,13 @@ fn a_full_disk_is_reported_and_nothing_is_lost_once_space_is_freed() {
         .out_of_space()
         .unwrap()
         .expect("out_of_space set");
-    assert!(why.contains("No space left on device"), "{why}");
-    assert_eq!(st.out_of_space.as_deref(), Some(why.as_str()));
+    assert!(why.is_out_of_space(), "{}", chain(&why));
+    assert!(
+        chain(&why).contains("No space left on device"),
+        "{}",
+        chain(&why)
+    );
+    assert_eq!(st.out_of_space, Some(why));
     // ... a barrier cannot move them into the image: an error, not a
     // crash, and the device keeps running.
     let e = rig.region.barrier().unwrap_err();

@@ -346,7 +346,7 @@ fn snapshot_taken_while_writers_run() {
         PcowRegion::open(&top, marking.clone(), &RegionOptions::default()).unwrap();
     let rig = Rig {
         region,
-        monitor: MonitorThread::spawn(monitor),
+        monitor: serve(monitor),
         gate,
     };
     let stop = Arc::new(AtomicBool::new(false));
@@ -539,9 +539,8 @@ fn flush_through_a_virtqueue_is_answered_after_the_data_is_durable() {
     let v = reopen_read_forced(&path);
     assert_eq!(&v[(2 * K64) as usize..][..3], b"new");
     assert_eq!(&v[(9 * K64) as usize..][..4], b"hole");
-    let m = monitor.stop();
+    monitor.stop();
     drop(dev);
-    drop(m);
     let v = reopen_read(&path);
     assert_eq!(&v[(9 * K64) as usize..][..4], b"hole");
 }
@@ -667,7 +666,7 @@ fn a_flush_releases_writers_before_its_commit_a_snapshot_after() {
     let (region, monitor) = PcowRegion::open(&top, q.clone(), &RegionOptions::default()).unwrap();
     let rig = Rig {
         region,
-        monitor: MonitorThread::spawn(monitor),
+        monitor: serve(monitor),
         gate,
     };
     let mut model = vec![0u8; (16 * K64) as usize];

@@ -129,7 +129,7 @@ fn writers_barriers_snapshots_and_overlays_race_and_every_byte_survives() {
     let gate = Arc::new(WriteGate::new());
     let (region, monitor) =
         PcowRegion::open(&top, gate.clone(), &RegionOptions::default()).expect("open");
-    let monitor = MonitorThread::spawn(monitor);
+    let monitor = serve(monitor);
     let region = Arc::new(region);
     let stop = Arc::new(AtomicBool::new(false));
     let writes = Arc::new(AtomicU64::new(0));

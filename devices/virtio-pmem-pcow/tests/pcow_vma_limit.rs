@@ -10,7 +10,7 @@ use common::*;
 
 use std::path::PathBuf;
 
-use virtio_pmem_pcow::region::max_map_count;
+use virtio_pmem_pcow::max_map_count;
 use virtio_pmem_pcow::RegionOptions;
 
 /// The child of `a_remap_refused_at_the_vma_limit_leaves_the_data_in_the_image`

@@ -1,17 +1,16 @@
 //! Fixtures shared by the device's integration tests: the userfaultfd
-//! check, the monitor on its own thread (polling its fds as a VMM's epoll
-//! loop would), guest reads and writes through raw pointers, and image
+//! check, the monitor served by the crate's own `MonitorThread`, guest reads and writes through raw pointers, and image
 //! helpers. Each test binary uses part of them.
 #![allow(dead_code)]
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex};
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::monitor::Uffd;
-use virtio_pmem_pcow::{Monitor, PcowRegion, RegionError, RegionOptions, WriteGate};
+use virtio_pmem_pcow::Uffd;
+use virtio_pmem_pcow::{
+    Monitor, MonitorReport, MonitorThread, PcowRegion, RegionError, RegionOptions, WriteGate,
+};
 
 pub const K64: u64 = 64 << 10;
 pub const PAGE: u64 = 4096;
@@ -36,57 +35,55 @@ pub fn uffd_or_skip(test: &str) -> bool {
     }
 }
 
-/// The monitor on its own thread, polling both fds like an epoll loop.
-pub struct MonitorThread {
-    stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<Monitor>>,
+/// The monitor served by the crate's own [`MonitorThread`] (the
+/// production threading). A failure it reports fails the test when the
+/// value is stopped or dropped.
+pub struct Served {
+    thread: Option<MonitorThread>,
+    failures: Arc<Mutex<Vec<String>>>,
 }
 
-impl MonitorThread {
-    pub fn spawn(m: Monitor) -> MonitorThread {
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        let handle = std::thread::spawn(move || {
-            let fds = m.fds();
-            while !s.load(Ordering::Relaxed) {
-                let mut pfds: Vec<libc::pollfd> = fds
-                    .iter()
-                    .map(|&fd| libc::pollfd {
-                        fd,
-                        events: libc::POLLIN,
-                        revents: 0,
-                    })
-                    .collect();
-                // SAFETY: `pfds` is a valid array of pollfds for the call.
-                let r = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, 20) };
-                if r > 0 {
-                    for p in &pfds {
-                        if p.revents != 0 {
-                            m.handle_fd(p.fd).expect("monitor");
-                        }
-                    }
-                }
+/// Serves `m` on a [`MonitorThread`].
+pub fn serve(m: Monitor) -> Served {
+    let failures = Arc::new(Mutex::new(Vec::new()));
+    let f = failures.clone();
+    let thread = MonitorThread::spawn("pcow-monitor-test", Arc::new(m), move |r| {
+        if let MonitorReport::Failed(e) = r {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg += &format!(": {s}");
+                src = s.source();
             }
-            m
-        });
-        MonitorThread {
-            stop,
-            handle: Some(handle),
+            eprintln!("monitor failed: {msg}");
+            f.lock().unwrap().push(msg);
         }
-    }
-
-    pub fn stop(mut self) -> Monitor {
-        self.stop.store(true, Ordering::Relaxed);
-        self.handle.take().unwrap().join().expect("monitor thread")
+    })
+    .expect("monitor thread");
+    Served {
+        thread: Some(thread),
+        failures,
     }
 }
 
-impl Drop for MonitorThread {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(h) = self.handle.take() {
-            let _ = h.join();
+impl Served {
+    /// Stops and joins the thread; fails if the monitor reported a failure.
+    pub fn stop(mut self) {
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        drop(self.thread.take());
+        let failures = std::mem::take(&mut *self.failures.lock().unwrap());
+        if !std::thread::panicking() {
+            assert!(failures.is_empty(), "the monitor failed: {failures:?}");
         }
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
@@ -185,7 +182,7 @@ pub fn check_clean(path: &Path) {
 /// A region, its monitor thread and the gate the "guest" writes through.
 pub struct Rig {
     pub region: PcowRegion,
-    pub monitor: MonitorThread,
+    pub monitor: Served,
     pub gate: Arc<WriteGate>,
 }
 
@@ -195,7 +192,7 @@ impl Rig {
         let (region, monitor) = PcowRegion::open(path, gate.clone(), opts)?;
         Ok(Rig {
             region,
-            monitor: MonitorThread::spawn(monitor),
+            monitor: serve(monitor),
             gate,
         })
     }
@@ -218,9 +215,8 @@ impl Rig {
         let Rig {
             region, monitor, ..
         } = self;
-        let m = monitor.stop();
+        monitor.stop();
         drop(region);
-        drop(m);
     }
 }
 

@@ -1,0 +1,220 @@
+//! Building a region: the image prepared (every active cluster whole,
+//! the pool sized), the mappings planned ([`crate::plan`]) and checked
+//! against the files and `vm.max_map_count`, the reservation mapped, holes
+//! registered with userfaultfd, write tracking started, the pool's worker
+//! started.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use pcow::Image;
+
+use crate::clusters::Clusters;
+use crate::harvest::Tracking;
+use crate::mapping::{
+    check_map_count, max_map_count, process_map_count, MapsError, Reservation, PAGE_SIZE,
+};
+use crate::pagemap::{PageScanner, PagemapError};
+use crate::plan::{plan, Plan, RunKind};
+use crate::pool::{default_pool_bytes, PoolCtl, PoolOptions};
+use crate::state::{Counters, RegionState, Writable};
+use crate::uffd::{Uffd, UffdError};
+use crate::view::View;
+
+/// Errors building a region.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    #[error("image")]
+    Image(#[from] pcow::Error),
+    #[error("the image is not open for writing")]
+    ReadOnly,
+    #[error("host page size is {0}, only 4096 is supported")]
+    PageSize(u64),
+    #[error("virtual size {0} does not fit the address space")]
+    TooLarge(u64),
+    #[error("reserving {len} bytes of address space")]
+    Reserve {
+        len: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Maps(#[from] MapsError),
+    #[error("chain file {depth}: {what}")]
+    BadLayout { depth: usize, what: String },
+    #[error(
+        "mapping {len:#x} bytes at region offset {offset:#x} (file {depth} at {file_offset:#x})"
+    )]
+    Map {
+        offset: u64,
+        len: u64,
+        depth: usize,
+        file_offset: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("userfaultfd")]
+    Uffd(#[from] UffdError),
+    #[error("pagemap")]
+    Pagemap(#[from] PagemapError),
+}
+
+/// How a region is built.
+#[derive(Debug, Clone, Default)]
+pub struct RegionOptions {
+    /// Use this instead of `/proc/sys/vm/max_map_count` (tests).
+    pub max_map_count: Option<u64>,
+    /// Find written pages by reading `/proc/self/pagemap` instead of the
+    /// `PAGEMAP_SCAN` ioctl (tests of the fallback; the ioctl is used when
+    /// the kernel has it).
+    pub pagemap_read_fallback: bool,
+    /// Clusters the image pre-allocates (fallocate) ahead of the last one
+    /// in use, see [`pcow::Image::set_pool_clusters`]; `None` is
+    /// [`crate::pool::default_pool_bytes`] of the image's size. The pool's
+    /// worker refills it; without one, the write fault that runs out does
+    /// (about 1.1 ms for 4 MiB on tmpfs).
+    pub pool_clusters: Option<u64>,
+    /// The longest the monitor keeps reading its userfaultfd after a fault
+    /// (see [`crate::fault_poll`]); `None` is
+    /// [`crate::fault_poll::DEFAULT_FAULT_POLL`], zero never polls.
+    pub fault_poll: Option<std::time::Duration>,
+    /// Bytes of zero-mapped holes (holes the guest only read) a barrier
+    /// leaves mapped. With write tracking every barrier's scan walks their
+    /// page-table entries (its fast path, under 1 ms per GiB here); without
+    /// it (a kernel before 6.7, or the pagemap read fallback) it classifies
+    /// each of their pages (about 10 ms per GiB); a hole costs it a table
+    /// lookup. Past the budget, a barrier turns every zero-mapped cluster
+    /// nobody wrote back into a hole; a later read faults it in again.
+    /// `None` is [`DEFAULT_ZERO_BUDGET`].
+    pub zero_budget: Option<u64>,
+}
+
+/// The default of [`RegionOptions::zero_budget`]: 256 MiB, at most about
+/// 2.5 ms of every barrier's scan without write tracking (0.1-0.2 ms with
+/// it), and 512 KiB of page tables.
+pub const DEFAULT_ZERO_BUDGET: u64 = 256 << 20;
+
+/// Builds the region of `image` (opened read-write) with its pool.
+pub(crate) fn build(
+    mut image: Image,
+    opts: &RegionOptions,
+    pool_opts: &PoolOptions,
+) -> Result<RegionState, RegionError> {
+    if !image.is_writable() {
+        return Err(RegionError::ReadOnly);
+    }
+    // SAFETY: sysconf only reads its integer argument.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if page != PAGE_SIZE as libc::c_long {
+        return Err(RegionError::PageSize(page as u64));
+    }
+    let size = image.virtual_size();
+    let len = usize::try_from(size).map_err(|_| RegionError::TooLarge(size))?;
+    let cs = image.cluster_size();
+    let pool_clusters = opts
+        .pool_clusters
+        .unwrap_or((default_pool_bytes(size) / cs).max(1));
+    image.set_pool_clusters(pool_clusters);
+    // Every active cluster whole, so each maps shared as one piece.
+    image.complete_active_clusters()?;
+    image.flush()?;
+    let Plan { runs, clusters } = plan(&image);
+
+    let max = match opts.max_map_count {
+        Some(m) => m,
+        None => max_map_count()?,
+    };
+    let planned_vmas = runs.len() as u64;
+    check_map_count(planned_vmas, max, process_map_count()?)?;
+
+    // Mapped pages must lie inside their files (a page past the end of
+    // a file would raise SIGBUS on access instead of an error here).
+    let files = image.chain_files();
+    let mut lens = Vec::with_capacity(files.len());
+    for (depth, f) in files.iter().enumerate() {
+        let l = f
+            .metadata()
+            .map_err(|e| RegionError::BadLayout {
+                depth,
+                what: format!("stat: {e}"),
+            })?
+            .len();
+        lens.push(l);
+    }
+    for r in &runs {
+        if let RunKind::File { depth, offset, .. } = r.kind {
+            let flen = lens.get(depth).copied().ok_or(RegionError::BadLayout {
+                depth,
+                what: "no such file in the chain".into(),
+            })?;
+            // The kernel zero-fills the tail of a file's last page, so a
+            // mapping may end anywhere inside that page.
+            let mappable = flen.next_multiple_of(PAGE_SIZE);
+            if !offset.is_multiple_of(PAGE_SIZE)
+                || offset.checked_add(r.len).is_none_or(|e| e > mappable)
+            {
+                return Err(RegionError::BadLayout {
+                        depth,
+                        what: format!(
+                            "{:#x} bytes at {offset:#x} are not page-aligned inside the file ({flen} bytes)",
+                            r.len
+                        ),
+                    });
+            }
+        }
+    }
+
+    let mapping =
+        Reservation::new(len).map_err(|source| RegionError::Reserve { len: size, source })?;
+    let uffd = Uffd::for_holes(!opts.pagemap_read_fallback)?;
+    for r in &runs {
+        match r.kind {
+            RunKind::File {
+                depth,
+                offset,
+                shared,
+            } => mapping
+                .map_file(r.offset, r.len, files[depth].as_raw_fd(), offset, shared)
+                .map_err(|source| RegionError::Map {
+                    offset: r.offset,
+                    len: r.len,
+                    depth,
+                    file_offset: offset,
+                    source,
+                })?,
+            RunKind::Hole => uffd.register_missing(mapping.base() + r.offset, r.len)?,
+            // The reservation is already anonymous, untouched memory.
+            RunKind::Anon => {}
+        }
+    }
+    drop(files);
+    let scanner = PageScanner::new(opts.pagemap_read_fallback)?;
+    let view = View {
+        cs,
+        mapping,
+        uffd: Arc::new(uffd),
+        clusters: Clusters::new(clusters),
+    };
+    let zero_budget = opts.zero_budget.unwrap_or(DEFAULT_ZERO_BUDGET);
+    let tracking = Tracking::start(&view, scanner, zero_budget, !opts.pagemap_read_fallback);
+    let mut pool = PoolCtl::new(pool_opts, cs, pool_clusters);
+    if let Err(e) = pool.start(&image) {
+        log::warn!("no pre-allocation worker ({e}), the pool refills inline");
+    }
+    pool.configure(&mut image);
+    // The pool is empty after the open: fill it before the first fault.
+    pool.request(&image);
+    Ok(RegionState {
+        view,
+        tracking,
+        image: Writable::Open(Box::new(image)),
+        pool,
+        out_of_space: None,
+        counters: Counters {
+            planned_vmas,
+            ..Counters::default()
+        },
+    })
+}

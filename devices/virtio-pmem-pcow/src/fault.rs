@@ -1,0 +1,359 @@
+//! Fault resolution and the [`Monitor`], the fd-driven half of a region
+//! that serves its userfaultfd (on [`crate::MonitorThread`], a thread of
+//! its own). [`Monitor::handle_ready`] drains the pending faults and
+//! resolves each under the state lock, which a FLUSH barrier never holds
+//! across a sync (snapshots and overlays do, see the crate's lock order):
+//!
+//! - a write fault in a hole cluster gets the active layer's cluster
+//!   (allocated from the image's pool), mapped `MAP_FIXED|MAP_SHARED` over
+//!   the cluster, then `UFFDIO_WAKE`: the waiter retries on the file page.
+//!   Nothing is lost by the remap: a hole cluster has no present page (any
+//!   access to it faults and waits for us), so the mapping replaced is empty.
+//! - a read fault in a hole gets `UFFDIO_ZEROPAGE` over the whole cluster:
+//!   nothing is allocated. Later writes there land in private anonymous
+//!   pages without a fault; the barrier moves them into the image (and,
+//!   past the zero budget, returns the clusters nobody wrote to holes).
+//! - a fault in a cluster already resolved (several threads faulted it, or
+//!   a queued event raced a resolution) only wakes: one allocation per
+//!   cluster however many threads fault it.
+//! - a write fault that cannot get a cluster (a full disk, no writable
+//!   image) gets zeros: the guest keeps running, its write lands in a
+//!   private page that the next barrier moves (or fails to, reporting it).
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::clusters::ClusterState;
+use crate::fault_poll::FaultPoll;
+use crate::health::{is_out_of_space, Failure};
+use crate::state::{top_fd, FaultCounters, NoImage, RegionState, Shared, Writable};
+use crate::uffd::{Uffd, UffdError, EVENT_PAGEFAULT, MSG_SIZE, PAGEFAULT_FLAG_WRITE};
+
+/// Errors of fault resolution.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum MonitorError {
+    #[error(transparent)]
+    Uffd(#[from] UffdError),
+    #[error("fault at {addr:#x} outside the region")]
+    OutsideRegion { addr: u64 },
+    #[error("region state lock poisoned by a panic")]
+    Poisoned,
+    #[error("fault at {addr:#x} left unresolved")]
+    Unresolved {
+        addr: u64,
+        #[source]
+        source: Box<MonitorError>,
+    },
+}
+
+/// Why a write fault in a hole got zeros instead of a cluster.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum NoCluster {
+    #[error("cluster {vcn}: no cluster for a write fault, zeros mapped")]
+    Image {
+        vcn: u64,
+        #[source]
+        source: pcow::Error,
+    },
+    #[error("cluster {vcn}: no cluster for a write fault, zeros mapped")]
+    NoImage {
+        vcn: u64,
+        #[source]
+        source: NoImage,
+    },
+    #[error("cluster {vcn} is a hole but the image's cluster is partial; zeros mapped")]
+    Partial { vcn: u64 },
+    #[error("cluster {vcn}: mapping the image's cluster failed, zeros mapped")]
+    Map {
+        vcn: u64,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The fd-driven half of a pcow region, served by a
+/// [`crate::MonitorThread`] (or a VMM's own event loop).
+///
+/// Two fds to poll for reading ([`Monitor::fds`]): the userfaultfd
+/// ([`Monitor::fd`], handled by [`Monitor::handle_ready`]) and, when the
+/// pool has a worker, its eventfd ([`Monitor::pool_fd`], handled by
+/// [`Monitor::handle_pool_ready`]); [`Monitor::handle_fd`] dispatches.
+///
+/// Holds the region's shared state: the region's address space stays
+/// reserved while the monitor lives, so a late fault can never map
+/// into memory that was given back.
+pub struct Monitor {
+    shared: Arc<Shared>,
+    uffd: Arc<Uffd>,
+    pool_efd: Option<Arc<EventFd>>,
+    /// Only the thread handling the userfaultfd takes it.
+    poll: Mutex<FaultPoll>,
+    /// Set when a write fault found the file system full and the region
+    /// had no such failure recorded yet; taken by the monitor thread.
+    space_alert: AtomicBool,
+}
+
+impl std::fmt::Debug for Monitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Monitor")
+            .field("fd", &self.uffd.as_raw_fd())
+            .field("pool_fd", &self.pool_fd())
+            .finish()
+    }
+}
+
+impl Monitor {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        uffd: Arc<Uffd>,
+        pool_efd: Option<Arc<EventFd>>,
+        poll: FaultPoll,
+    ) -> Monitor {
+        Monitor {
+            shared,
+            uffd,
+            pool_efd,
+            poll: Mutex::new(poll),
+            space_alert: AtomicBool::new(false),
+        }
+    }
+
+    /// The userfaultfd to poll for reading (non-blocking).
+    pub fn fd(&self) -> RawFd {
+        self.uffd.as_raw_fd()
+    }
+
+    /// The pre-allocation worker's eventfd to poll for reading
+    /// (non-blocking; the same fd for the monitor's whole life, also across
+    /// live overlays), or `None` when the pool has no worker.
+    pub fn pool_fd(&self) -> Option<RawFd> {
+        self.pool_efd.as_ref().map(|e| e.as_raw_fd())
+    }
+
+    /// Every fd to register for reading: the userfaultfd, then the pool's
+    /// eventfd if any.
+    pub fn fds(&self) -> Vec<RawFd> {
+        std::iter::once(self.fd()).chain(self.pool_fd()).collect()
+    }
+
+    /// Handles readiness of `fd` (one of [`Monitor::fds`]); an unknown fd
+    /// does nothing. Returns the events handled.
+    pub fn handle_fd(&self, fd: RawFd) -> Result<usize, MonitorError> {
+        if fd == self.fd() {
+            self.handle_ready()
+        } else if Some(fd) == self.pool_fd() {
+            self.handle_pool_ready()
+        } else {
+            Ok(0)
+        }
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, RegionState>, MonitorError> {
+        self.shared.lock().map_err(|_| MonitorError::Poisoned)
+    }
+
+    /// Drains and resolves every pending fault; returns how many were
+    /// handled. Call when [`Monitor::fd`] is readable. The first error is
+    /// returned after every event read was tried (an event is never left
+    /// half-done: a fault that cannot be mapped gets zeros). After each
+    /// batch, takes finished refills and asks the worker for one if the
+    /// pool is low. When nothing is pending any more, keeps reading for the
+    /// adaptive poll window ([`crate::fault_poll`], at most 50 µs by
+    /// default) before it returns, without holding the state lock.
+    pub fn handle_ready(&self) -> Result<usize, MonitorError> {
+        let mut buf = [0u8; MSG_SIZE * 32];
+        let mut handled = 0;
+        let mut first_err = None;
+        let mut poll = self.poll.lock().map_err(|_| MonitorError::Poisoned)?;
+        let mut n = self.uffd.read_msgs(&mut buf)?;
+        if n == 0 {
+            return Ok(0);
+        }
+        poll.fault_at(Instant::now());
+        let mut polled = false;
+        loop {
+            let mut st = self.lock()?;
+            if polled {
+                st.counters.faults.polled += n as u64;
+            }
+            for m in buf[..n * MSG_SIZE].chunks_exact(MSG_SIZE) {
+                if m[0] != EVENT_PAGEFAULT {
+                    continue;
+                }
+                let word = |at: usize| {
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(&m[at..at + 8]);
+                    u64::from_ne_bytes(w)
+                };
+                let (flags, addr) = (word(8), word(16));
+                handled += 1;
+                match resolve_fault(&mut st, addr, flags & PAGEFAULT_FLAG_WRITE != 0) {
+                    Ok(Resolved::Fallback(why)) => {
+                        if st.out_of_space.is_some() {
+                            self.space_alert.store(true, Ordering::Release);
+                        }
+                        st.pool.note_failure(why)
+                    }
+                    Ok(Resolved::Allocated | Resolved::Zeroed | Resolved::Woken) => {}
+                    Err(e) => {
+                        log::error!("userfaultfd: {e}");
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            st.refill_pool();
+            drop(st);
+            n = self.uffd.read_msgs(&mut buf)?;
+            if n > 0 {
+                continue;
+            }
+            // Everything pending is handled: keep reading for the window
+            // (without the state lock), the next fault of a burst is
+            // likely on its way.
+            poll.idle_at(Instant::now());
+            n = self.uffd.read_msgs_within(&mut buf, poll.window())?;
+            if n == 0 {
+                break;
+            }
+            poll.fault_at(Instant::now());
+            polled = true;
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(handled),
+        }
+    }
+
+    /// Takes the worker's finished refills (the image's pool grows by what
+    /// was reserved) and asks for the next one if the pool is still low.
+    /// Call when [`Monitor::pool_fd`] is readable; returns the refills
+    /// taken.
+    pub fn handle_pool_ready(&self) -> Result<usize, MonitorError> {
+        if let Some(e) = &self.pool_efd {
+            // Resets the counter; EAGAIN (nothing pending) is fine.
+            let _ = e.read();
+        }
+        Ok(self.lock()?.refill_pool())
+    }
+
+    /// Whether a write fault found the file system full since the last
+    /// call (then [`crate::PcowRegion::out_of_space`] says why).
+    pub fn take_space_alert(&self) -> bool {
+        self.space_alert.swap(false, Ordering::AcqRel)
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> Result<FaultCounters, MonitorError> {
+        Ok(self.lock()?.counters.faults)
+    }
+}
+
+/// How a fault was resolved.
+#[derive(Debug)]
+enum Resolved {
+    /// A hole got the active layer's cluster, mapped shared.
+    Allocated,
+    /// A read in a hole got zeros.
+    Zeroed,
+    /// The cluster was resolved already: woken only.
+    Woken,
+    /// A write in a hole got zeros because no cluster could be mapped.
+    Fallback(Failure),
+}
+
+/// Resolves one fault at `addr`.
+fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolved, MonitorError> {
+    let vcn = st
+        .view
+        .vcn_at(addr)
+        .ok_or(MonitorError::OutsideRegion { addr })?;
+    let (start, cs) = st.view.span(vcn, vcn + 1);
+    match st.view.clusters.get(vcn) {
+        ClusterState::Hole if write => {
+            // The pool had a shortfall and has none after the allocation:
+            // the fault grew the file by a whole pool itself (a worker's
+            // refill is only taken in `PoolCtl::apply`).
+            let before = st.image().ok().and_then(|i| i.pool_shortfall());
+            match map_fresh(st, vcn) {
+                Ok(()) => {
+                    st.counters.faults.write_faults += 1;
+                    st.view.uffd.wake(start, cs)?;
+                    let after = st.image().ok().and_then(|i| i.pool_shortfall());
+                    if before.is_some() && after.is_none() {
+                        st.pool.note_inline();
+                    }
+                    Ok(Resolved::Allocated)
+                }
+                Err(e) => {
+                    // Zeros keep the guest running; its write lands in a
+                    // private page that the next barrier moves into the
+                    // image (or reports the same error).
+                    let faults = &mut st.counters.faults;
+                    if faults.fallbacks.is_power_of_two() {
+                        log::warn!("{}", pcow::check::error_chain(&e));
+                    }
+                    faults.fallbacks += 1;
+                    st.view
+                        .uffd
+                        .zeropage(start, cs)
+                        .map_err(|z| MonitorError::Unresolved {
+                            addr,
+                            source: Box::new(z.into()),
+                        })?;
+                    st.view.clusters.set(vcn, vcn + 1, ClusterState::Zero);
+                    let why = Failure::new(e);
+                    if is_out_of_space(&why) && st.out_of_space.is_none() {
+                        st.out_of_space = Some(why.clone());
+                    }
+                    Ok(Resolved::Fallback(why))
+                }
+            }
+        }
+        ClusterState::Hole => {
+            st.view.uffd.zeropage(start, cs)?;
+            st.view.clusters.set(vcn, vcn + 1, ClusterState::Zero);
+            st.counters.faults.read_faults += 1;
+            Ok(Resolved::Zeroed)
+        }
+        _ => {
+            st.counters.faults.wake_only += 1;
+            st.view.uffd.wake(start, cs)?;
+            Ok(Resolved::Woken)
+        }
+    }
+}
+
+/// Allocates the active cluster for hole `vcn` and maps it shared.
+fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<(), NoCluster> {
+    let image = match &mut st.image {
+        Writable::Open(i) => i,
+        Writable::Switching => {
+            return Err(NoCluster::NoImage {
+                vcn,
+                source: NoImage::Switching,
+            })
+        }
+        Writable::Detached(why) => {
+            return Err(NoCluster::NoImage {
+                vcn,
+                source: NoImage::Detached(why.clone()),
+            })
+        }
+    };
+    let ac = image
+        .active_cluster(vcn)
+        .map_err(|source| NoCluster::Image { vcn, source })?;
+    if !ac.whole {
+        return Err(NoCluster::Partial { vcn });
+    }
+    let fd = top_fd(image).map_err(|source| NoCluster::Map { vcn, source })?;
+    st.view
+        .map_clusters(vcn, vcn + 1, fd, ac.file_offset, true)
+        .map_err(|source| NoCluster::Map { vcn, source })
+}
