@@ -8,7 +8,7 @@
 //!   into its other slot, builds the header of the next generation from
 //!   the state as staged now, and clears the dirty marks it covers;
 //! - [`Commit::write`] (no `Image`) syncs, writes the header slot and syncs
-//!   again, through the storage's [`CommitIo`] handle;
+//!   again, through the storage's [`crate::io::CommitIo`] handle;
 //! - [`Image::finish_commit`] publishes the written slots and header;
 //!   [`Image::abort_commit`] marks what the commit covered dirty again.
 //!
@@ -19,160 +19,19 @@
 //! other metadata write is refused ([`Error::CommitPending`]).
 //! [`Image::flush`] is the three steps in a row.
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
-use crate::error::{Error, Result};
+use crate::commit::{progress, Commit, HeaderWrite, Pending, Progress, SlotOf, Written};
+use crate::error::{io_err, Error, Result};
 use crate::format::{encode_meta, encode_snap, push_entry, Header, SnapSlot, MAX_GENERATION};
-use crate::image::{io_err, Image};
-use crate::io::CommitIo;
-
-/// A metadata slot written by a commit: whose, which slot, where, and the
-/// end of its content (recorded in `slot_ends` once a sync made it durable).
-#[derive(Debug, Clone, Copy)]
-struct Written {
-    of: SlotOf,
-    slot: u8,
-    at: u64,
-    end: usize,
-}
-
-#[derive(Debug, Clone, Copy)]
-enum SlotOf {
-    Segment(usize),
-    Layer(usize),
-}
-
-/// How far the [`Commit`] handed out for a pending commit got. Shared with
-/// the image, so that closing an image whose commit was never finished
-/// knows whether the header may already be on disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Progress {
-    /// Nothing written yet, or a write may still be tried.
-    Open,
-    /// A write failed: the commit can only be aborted.
-    Failed,
-    /// Synced and the header written and synced: the commit is durable.
-    Written,
-    /// The image gave up on the commit (closed): writing it is refused.
-    Cancelled,
-}
-
-type Gate = Arc<Mutex<Progress>>;
-
-fn lock(gate: &Gate) -> MutexGuard<'_, Progress> {
-    // The state is a plain enum: a panic while holding it leaves it whole.
-    gate.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The image's record of the commit in flight: what to publish when it is
-/// written, what to mark dirty again when it is not.
-#[derive(Debug)]
-pub(crate) struct Pending {
-    id: u64,
-    gate: Gate,
-    written: Vec<Written>,
-    /// The new header, its slot and content end (`None`: a data sync only).
-    header: Option<(Header, u8, u64, usize)>,
-    had_data: bool,
-    had_meta: bool,
-}
-
-/// The header slot a commit writes, as the bytes to write there.
-#[derive(Debug)]
-struct HeaderWrite {
-    bytes: Vec<u8>,
-    at: u64,
-}
-
-/// A commit staged by [`Image::begin_commit`]: the I/O that makes it
-/// durable, done without the image by [`Commit::write`], then handed back
-/// to [`Image::finish_commit`] (or [`Image::abort_commit`]).
-#[must_use = "a commit must be written and finished, or aborted"]
-pub struct Commit {
-    id: u64,
-    gate: Gate,
-    io: Box<dyn CommitIo>,
-    path: PathBuf,
-    /// Sync data and slots before the header (or alone, for a data sync).
-    sync_first: bool,
-    header: Option<HeaderWrite>,
-}
-
-impl std::fmt::Debug for Commit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Commit")
-            .field("id", &self.id)
-            .field("path", &self.path)
-            .field("progress", &*lock(&self.gate))
-            .finish()
-    }
-}
-
-impl Commit {
-    /// Makes the commit durable: syncs the data and the slots written at
-    /// begin, writes the header slot, syncs again. Needs no lock on the
-    /// image. After an error the commit can only be aborted (a failed sync
-    /// is not retried: the kernel may have dropped the pages it failed on).
-    pub fn write(&mut self) -> Result<()> {
-        let gate = self.gate.clone();
-        let mut progress = lock(&gate);
-        match *progress {
-            Progress::Open => {}
-            Progress::Written => return Ok(()),
-            Progress::Failed => {
-                return Err(Error::CommitFailed {
-                    path: self.path.clone(),
-                })
-            }
-            Progress::Cancelled => {
-                return Err(Error::CommitCancelled {
-                    path: self.path.clone(),
-                })
-            }
-        }
-        match self.write_inner() {
-            Ok(()) => {
-                *progress = Progress::Written;
-                Ok(())
-            }
-            Err(e) => {
-                *progress = Progress::Failed;
-                Err(e)
-            }
-        }
-    }
-
-    fn write_inner(&mut self) -> Result<()> {
-        let path = &self.path;
-        // One sync covers the data and the new slots: until the header
-        // names the new generation the slots are stale and readers ignore
-        // them, so their order against the data does not matter; only the
-        // header must follow both.
-        if self.sync_first {
-            let op = if self.header.is_some() {
-                "syncing data and metadata"
-            } else {
-                "syncing data"
-            };
-            self.io.sync().map_err(io_err(path, op))?;
-        }
-        if let Some(h) = &self.header {
-            self.io
-                .write_at(&h.bytes, h.at)
-                .map_err(io_err(path, "writing the header"))?;
-            self.io.sync().map_err(io_err(path, "syncing the header"))?;
-        }
-        Ok(())
-    }
-}
+use crate::image::Image;
 
 impl Image {
     /// Writes the slot `buf` at `at`: only the prefix that can differ from
     /// what the file holds (see [`crate::slot_ends`]).
     /// Returns the content's end for [`crate::slot_ends::SlotEnds::synced`].
     pub(crate) fn write_slot(&mut self, buf: &[u8], at: u64) -> std::io::Result<usize> {
-        let p = self.slot_ends.prefix_to_write(at, buf);
+        let p = self.commit.slot_ends.prefix_to_write(at, buf);
         if p.len > 0 {
             self.storage.write_at(&buf[..p.len], at)?;
         }
@@ -207,7 +66,7 @@ impl Image {
 
     /// Refuses a metadata write while a commit is pending.
     pub(crate) fn require_no_commit(&self) -> Result<()> {
-        match self.pending {
+        match self.commit.pending {
             Some(_) => Err(Error::CommitPending {
                 path: self.path.clone(),
             }),
@@ -223,11 +82,11 @@ impl Image {
     /// before the commit is finished or aborted belong to the next one.
     /// Refused while another commit is pending.
     pub fn begin_commit(&mut self) -> Result<Option<Commit>> {
-        if !self.writable {
+        if !self.access.writable {
             return Ok(None);
         }
         self.require_no_commit()?;
-        if !self.meta_dirty && !self.data_dirty {
+        if !self.commit.meta_dirty && !self.commit.data_dirty {
             return Ok(None);
         }
         let path = self.path.clone();
@@ -235,7 +94,7 @@ impl Image {
             .storage
             .commit_io()
             .map_err(io_err(&path, "opening the commit handle"))?;
-        let (written, header, header_write) = if self.meta_dirty {
+        let (written, header, header_write) = if self.commit.meta_dirty {
             let (written, h, hslot, hwrite, hend) = self.stage_metadata()?;
             (written, Some((h, hslot, hwrite.at, hend)), Some(hwrite))
         } else {
@@ -245,22 +104,22 @@ impl Image {
         // changed from here on marks it again for the next commit.
         for w in &written {
             match w.of {
-                SlotOf::Segment(i) => self.segments[i].dirty = false,
-                SlotOf::Layer(i) => self.layers[i].dirty = false,
+                SlotOf::Segment(i) => self.meta.segments[i].dirty = false,
+                SlotOf::Layer(i) => self.meta.layers[i].dirty = false,
             }
         }
-        let sync_first = self.data_dirty || !written.is_empty();
+        let sync_first = self.commit.data_dirty || !written.is_empty();
         let pending = Pending {
-            id: self.commit_seq,
+            id: self.commit.seq,
             gate: Arc::new(Mutex::new(Progress::Open)),
             written,
             header,
-            had_data: self.data_dirty,
-            had_meta: self.meta_dirty,
+            had_data: self.commit.data_dirty,
+            had_meta: self.commit.meta_dirty,
         };
-        self.commit_seq += 1;
-        self.data_dirty = false;
-        self.meta_dirty = false;
+        self.commit.seq += 1;
+        self.commit.data_dirty = false;
+        self.commit.meta_dirty = false;
         let commit = Commit {
             id: pending.id,
             gate: pending.gate.clone(),
@@ -269,7 +128,7 @@ impl Image {
             sync_first,
             header: header_write,
         };
-        self.pending = Some(pending);
+        self.commit.pending = Some(pending);
         Ok(Some(commit))
     }
 
@@ -279,7 +138,7 @@ impl Image {
     fn stage_metadata(&mut self) -> Result<(Vec<Written>, Header, u8, HeaderWrite, usize)> {
         let path = self.path.clone();
         // Readers refuse generations past the limit, so never write one.
-        let gen = self.committed_gen + 1;
+        let gen = self.header.committed_gen + 1;
         if gen > MAX_GENERATION {
             return Err(Error::Limit {
                 path: path.clone(),
@@ -290,14 +149,18 @@ impl Image {
         let slot_bytes = g.slot_size() as u64;
         let mut written = Vec::new();
         let mut entries = Vec::new();
-        for i in 0..self.segments.len() {
-            let seg = &self.segments[i];
+        for i in 0..self.meta.segments.len() {
+            let seg = &self.meta.segments[i];
             if !seg.dirty {
                 continue;
             }
             entries.clear();
             for e in seg.first..seg.first + seg.used {
-                push_entry(&mut entries, self.entries[e as usize].vcn, self.bitmap(e));
+                push_entry(
+                    &mut entries,
+                    self.meta.entries[e as usize].vcn,
+                    self.meta.bitmap(e),
+                );
             }
             let slot = other(seg.cur_slot);
             let buf = encode_meta(g, gen, seg.meta, seg.layer, seg.used, &entries);
@@ -312,8 +175,8 @@ impl Image {
                 end,
             });
         }
-        for i in 0..self.layers.len() {
-            let layer = &self.layers[i];
+        for i in 0..self.meta.layers.len() {
+            let layer = &self.meta.layers[i];
             if !layer.dirty {
                 continue;
             }
@@ -342,18 +205,18 @@ impl Image {
                 end,
             });
         }
-        let mut h = self.header.clone();
+        let mut h = self.header.staged.clone();
         h.generation = gen;
-        h.cluster_count = self.next_cluster;
-        h.data_cluster_count = self.entries.len() as u64;
-        h.layer_count = self.layers.len() as u32;
-        h.snapshot_count = self.layers.iter().filter(|l| l.snap.is_some()).count() as u32;
-        let hslot = other(Some(self.header_slot));
+        h.cluster_count = self.alloc.next_cluster;
+        h.data_cluster_count = self.meta.entries.len() as u64;
+        h.layer_count = self.meta.layers.len() as u32;
+        h.snapshot_count = self.meta.snapshot_count() as u32;
+        let hslot = other(Some(self.header.slot));
         let hbuf = h.encode();
         let hat = u64::from(hslot) * slot_bytes;
         // The record is raised before the write is issued (by the commit),
         // as `write_slot` does.
-        let p = self.slot_ends.prefix_to_write(hat, &hbuf);
+        let p = self.commit.slot_ends.prefix_to_write(hat, &hbuf);
         let hwrite = HeaderWrite {
             bytes: hbuf[..p.len].to_vec(),
             at: hat,
@@ -364,10 +227,10 @@ impl Image {
     /// Takes the pending record of `c`, or refuses a commit that is not
     /// this image's pending one.
     fn take_pending(&mut self, c: &Commit) -> Result<Pending> {
-        match self.pending.take() {
+        match self.commit.pending.take() {
             Some(p) if p.id == c.id && Arc::ptr_eq(&p.gate, &c.gate) => Ok(p),
             other => {
-                self.pending = other;
+                self.commit.pending = other;
                 Err(Error::CommitNotPending {
                     path: self.path.clone(),
                 })
@@ -381,7 +244,7 @@ impl Image {
     /// ([`Error::CommitUnwritten`]).
     pub fn finish_commit(&mut self, c: Commit) -> Result<()> {
         let p = self.take_pending(&c)?;
-        let progress = *lock(&p.gate);
+        let progress = *progress(&p.gate);
         if progress == Progress::Written {
             self.publish(p);
             Ok(())
@@ -400,7 +263,7 @@ impl Image {
     /// names.
     pub fn abort_commit(&mut self, c: Commit) -> Result<()> {
         let p = self.take_pending(&c)?;
-        let progress = *lock(&p.gate);
+        let progress = *progress(&p.gate);
         if progress == Progress::Written {
             self.publish(p);
         } else {
@@ -413,11 +276,11 @@ impl Image {
     /// closing): published if it was written, else cancelled, so that the
     /// handle can no longer write a header, and undone.
     pub(crate) fn settle_pending(&mut self) {
-        let Some(p) = self.pending.take() else {
+        let Some(p) = self.commit.pending.take() else {
             return;
         };
         let written = {
-            let mut progress = lock(&p.gate);
+            let mut progress = progress(&p.gate);
             if *progress != Progress::Written {
                 *progress = Progress::Cancelled;
             }
@@ -433,45 +296,44 @@ impl Image {
     fn publish(&mut self, p: Pending) {
         for w in &p.written {
             match w.of {
-                SlotOf::Segment(i) => self.segments[i].cur_slot = Some(w.slot),
-                SlotOf::Layer(i) => self.layers[i].cur_slot = Some(w.slot),
+                SlotOf::Segment(i) => self.meta.segments[i].cur_slot = Some(w.slot),
+                SlotOf::Layer(i) => self.meta.layers[i].cur_slot = Some(w.slot),
             }
-            self.slot_ends.synced(w.at, w.end);
+            self.commit.slot_ends.synced(w.at, w.end);
         }
         if let Some((h, hslot, hat, hend)) = p.header {
-            self.slot_ends.synced(hat, hend);
-            self.header_slot = hslot;
-            self.committed_gen = h.generation;
+            self.commit.slot_ends.synced(hat, hend);
+            self.header.slot = hslot;
+            self.header.committed_gen = h.generation;
             // The staged header keeps what changed since begin; the
             // counters are the staged state's (as the next commit will
             // write them), the end of the file the committed one.
-            self.header.generation = h.generation;
-            self.header.cluster_count = h.cluster_count;
-            self.header.data_cluster_count = self.entries.len() as u64;
-            self.header.layer_count = self.layers.len() as u32;
-            self.header.snapshot_count =
-                self.layers.iter().filter(|l| l.snap.is_some()).count() as u32;
+            self.header.staged.generation = h.generation;
+            self.header.staged.cluster_count = h.cluster_count;
+            self.header.staged.data_cluster_count = self.meta.entries.len() as u64;
+            self.header.staged.layer_count = self.meta.layers.len() as u32;
+            self.header.staged.snapshot_count = self.meta.snapshot_count() as u32;
         }
     }
 
     fn restore(&mut self, p: Pending) {
         for w in &p.written {
             match w.of {
-                SlotOf::Segment(i) => self.segments[i].dirty = true,
-                SlotOf::Layer(i) => self.layers[i].dirty = true,
+                SlotOf::Segment(i) => self.meta.segments[i].dirty = true,
+                SlotOf::Layer(i) => self.meta.layers[i].dirty = true,
             }
         }
-        self.data_dirty |= p.had_data;
-        self.meta_dirty |= p.had_meta;
+        self.commit.data_dirty |= p.had_data;
+        self.commit.meta_dirty |= p.had_meta;
     }
 
     /// Whether a commit is pending (begun, not yet finished or aborted).
     pub fn commit_pending(&self) -> bool {
-        self.pending.is_some()
+        self.commit.pending.is_some()
     }
 
     /// Generation of the last committed barrier.
     pub fn generation(&self) -> u64 {
-        self.committed_gen
+        self.header.committed_gen
     }
 }

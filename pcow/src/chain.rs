@@ -5,10 +5,13 @@ use std::fs::{File, OpenOptions as FsOpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::error::{io_err, Error, Result};
+use crate::extent::{merge_extents, Extent};
 use crate::format::{BaseFormat, BaseRef, MAX_BASE_NAME, MAX_CHAIN_DEPTH};
-use crate::image::{io_err, is_pcow, lock_file, Extent, Image, OpenOptions};
+use crate::header::is_pcow;
+use crate::image::{Image, OpenOptions};
 use crate::io::FileStorage;
+use crate::lock::lock_file;
 
 /// Files already in the chain being opened (device, inode).
 #[derive(Debug, Default)]
@@ -263,7 +266,7 @@ impl Backing {
                 })
                 .collect(),
         };
-        crate::image::merge_extents(data, zeros(&outside))
+        merge_extents(data, zeros(&outside))
     }
 
     /// Number of images in this chain (1 for a raw base).

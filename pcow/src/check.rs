@@ -78,31 +78,36 @@ pub fn report(img: &Image) -> CheckReport {
     let g = img.geometry();
     let mut r = CheckReport {
         filename: img.path().display().to_string(),
-        allocated_clusters: img.entries.iter().filter(|e| e.vcn != u64::MAX).count() as u64,
+        allocated_clusters: img
+            .meta
+            .entries
+            .iter()
+            .filter(|e| e.vcn != u64::MAX)
+            .count() as u64,
         total_clusters: img.virtual_size() / g.cluster_size(),
-        image_end_offset: g.offset(img.header.cluster_count),
+        image_end_offset: g.offset(img.header.staged.cluster_count),
         ..CheckReport::default()
     };
     for f in img.findings() {
         r.corruptions.push(finding(f.rule(), f.to_string()));
     }
-    r.leaked_clusters = img.uncommitted_at_open;
-    if img.uncommitted_at_open > 0 {
+    r.leaked_clusters = img.found.uncommitted_at_open;
+    if img.found.uncommitted_at_open > 0 {
         r.leaks.push(finding(
             "L1",
             format!(
                 "{} uncommitted cluster(s) past the committed end (offset {})",
-                img.uncommitted_at_open, r.image_end_offset
+                img.found.uncommitted_at_open, r.image_end_offset
             ),
         ));
     }
-    for off in &img.stale {
+    for off in &img.found.stale {
         r.leaks.push(finding(
             "L2",
             format!("stale or torn metadata slot at offset {off} (interrupted barrier)"),
         ));
     }
-    if img.dirty_at_open {
+    if img.found.dirty_at_open {
         r.leaks.push(finding(
             "L3",
             "DIRTY flag set: the image was not closed cleanly".into(),
@@ -114,18 +119,20 @@ pub fn report(img: &Image) -> CheckReport {
 
 /// Data clusters in layers that no snapshot and not the active layer reach.
 fn unreachable_clusters(img: &Image) -> u64 {
-    let mut live = vec![false; img.layers.len()];
+    let mut live = vec![false; img.meta.layers.len()];
     let heads = img
+        .meta
         .layers
         .iter()
         .filter_map(|l| l.snap.as_ref().map(|s| s.layer))
         .chain(std::iter::once(img.active_layer()));
     for h in heads {
-        for l in img.path_of(Some(h)) {
+        for l in img.meta.path_of(Some(h)) {
             live[l as usize] = true;
         }
     }
-    img.layers
+    img.meta
+        .layers
         .iter()
         .zip(live)
         .filter(|(_, live)| !live)
@@ -203,10 +210,10 @@ pub fn check(path: &Path, repair: Option<Repair>, force_share: bool) -> Result<C
     // the walk (R10); closing clears DIRTY (L3).
     let mut img = Image::open(path, rw)?;
     let max_id = img.snapshots().iter().map(|s| s.id).max().unwrap_or(0);
-    if img.header.next_snapshot_id <= max_id {
+    if img.header.staged.next_snapshot_id <= max_id {
         // Also covers a zero counter with no snapshot: the next id is 1.
-        img.header.next_snapshot_id = max_id + 1;
-        img.meta_dirty = true;
+        img.header.staged.next_snapshot_id = max_id + 1;
+        img.commit.meta_dirty = true;
     }
     img.close()?;
     for f in r.corruptions.iter_mut().chain(r.leaks.iter_mut()) {

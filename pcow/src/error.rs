@@ -1,7 +1,7 @@
 //! The library's error type: what went wrong, on which file, with the cause
 //! chained through `source()`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::format::FormatError;
 
@@ -81,3 +81,15 @@ pub enum Error {
 
 /// Result alias of the library.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Maps an I/O error of `op` on the file at `path` to [`Error::Io`].
+pub(crate) fn io_err<'a>(
+    path: &'a Path,
+    op: &'static str,
+) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |source| Error::Io {
+        path: path.to_owned(),
+        op,
+        source,
+    }
+}

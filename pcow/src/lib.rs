@@ -21,30 +21,57 @@
 //! img.close()?;
 //! # Ok(()) }
 //! ```
+//!
+//! Modules, bottom up (imports point down; the one loop is inherent: a
+//! base image is an [`Image`], opened by `chain`):
+//! - `format` (on-disk encodings), `io` (the storage traits), `error`,
+//!   `lock`, `slot_ends`, `extent`;
+//! - `header` (reading the header slots, the staged header), `meta` (the
+//!   cluster map: layers, segments, entries, bitmaps), `alloc` (the pool
+//!   of reserved clusters), `commit` (a commit in flight and its handle);
+//! - `image` (the `Image` struct: open, create, close, accessors), `chain`
+//!   (opening the base chain);
+//! - `impl Image` by job: `scan` (reading the metadata), `view` (reads,
+//!   page sources, extents), `write`, `append` (new clusters, segments,
+//!   layers), `barrier` (the staged commit), `snapshot`, `live` (what a
+//!   device that maps the image uses), `temp` (temporary overlays);
+//! - `check`, `ops` (the `pcow-img` operations).
 #![warn(missing_docs)]
 
+mod alloc;
+mod append;
 mod barrier;
 mod chain;
 pub mod check;
 pub mod civil;
+mod commit;
 mod error;
+mod extent;
 pub mod format;
+mod header;
 mod image;
 pub mod io;
+mod live;
 pub mod lock;
+mod meta;
 pub mod ops;
 pub mod output_file;
 mod scan;
 mod slot_ends;
 mod snapshot;
 mod temp;
+mod view;
+mod write;
 
-pub use barrier::Commit;
+pub use alloc::Preallocation;
 pub use chain::{open_base_writable, resolve_base, Backing, RawImage};
+pub use commit::Commit;
 pub use error::{Error, Result};
+pub use extent::Extent;
 pub use format::{BaseFormat, BaseRef, FormatError, Geometry, Header};
-pub use image::{
-    is_pcow, ActiveCluster, ClusterSource, CreateOptions, Extent, Image, OpenOptions, PageLocation,
-    Preallocation, SnapshotInfo, DEFAULT_CLUSTER_SIZE,
-};
+pub use header::is_pcow;
+pub use image::{CreateOptions, Image, OpenOptions, DEFAULT_CLUSTER_SIZE};
+pub use live::ActiveCluster;
+pub use meta::SnapshotInfo;
 pub use temp::TempOptions;
+pub use view::{ClusterSource, PageLocation};

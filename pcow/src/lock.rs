@@ -11,7 +11,10 @@
 //! the conflict is reported then.
 
 use std::fs::File;
+use std::path::Path;
 use std::time::Duration;
+
+use crate::error::{io_err, Error, Result};
 
 /// Waits between attempts: about 127 ms in all.
 const BACKOFF_MS: [u64; 7] = [1, 2, 4, 8, 16, 32, 64];
@@ -39,4 +42,16 @@ pub fn lock(file: &File, exclusive: bool) -> std::io::Result<bool> {
         std::thread::sleep(Duration::from_millis(ms));
     }
     attempt()
+}
+
+/// Takes an advisory lock on the whole file; a conflict that outlasts
+/// [`lock`]'s retries is [`Error::Locked`].
+pub(crate) fn lock_file(file: &File, path: &Path, exclusive: bool) -> Result<()> {
+    match lock(file, exclusive) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Error::Locked {
+            path: path.to_owned(),
+        }),
+        Err(e) => Err(io_err(path, "locking")(e)),
+    }
 }

@@ -18,8 +18,9 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
+use crate::error::io_err;
 use crate::error::{Error, Result};
-use crate::image::{io_err, lock_file};
+use crate::lock::lock_file;
 
 /// What a file type is called in an error.
 fn kind(t: FileType) -> &'static str {

@@ -1,169 +1,17 @@
-//! Reading an image's metadata: choosing the header slot, then walking the
-//! structures from cluster 1 to the committed end and checking every rule
-//! that can be checked on the way (R5..R10).
+//! Reading an image's metadata: walking the structures from cluster 1 to
+//! the committed end (the header is read by [`crate::header`]), choosing
+//! each structure's slot and checking every rule that can be checked on
+//! the way (R5..R10), into the cluster map.
 
 use std::collections::HashSet;
 
 use crate::error::{Error, Result};
 use crate::format::{
-    check_snap_fields, decode_slot, read_entry, DecodedSlot, FormatError, Geometry, Header,
-    SlotBody, SlotFault, MAGIC, MAX_CLUSTER_BITS, MAX_LAYERS, MIN_CLUSTER_BITS,
+    check_snap_fields, decode_slot, read_entry, DecodedSlot, FormatError, Geometry, SlotBody,
+    SlotFault, MAX_LAYERS,
 };
-use crate::image::{Entry, Image, Layer, Segment, SnapshotInfo, VcnMap};
-use crate::io::Storage;
-
-/// Why the header could not be read.
-#[derive(Debug)]
-pub(crate) enum HeaderError {
-    Io(std::io::Error),
-    Format(FormatError),
-}
-
-fn read_slot(
-    storage: &dyn Storage,
-    at: u64,
-    len: usize,
-    file_len: u64,
-) -> std::result::Result<Option<Vec<u8>>, std::io::Error> {
-    if at + len as u64 > file_len {
-        return Ok(None);
-    }
-    let mut buf = vec![0u8; len];
-    storage.read_at(&mut buf, at)?;
-    Ok(Some(buf))
-}
-
-/// Reads both header slots and returns the current one (the valid slot with
-/// the higher generation), its index, and where each valid slot's non-zero
-/// bytes end.
-pub(crate) fn read_header(
-    storage: &dyn Storage,
-    file_len: u64,
-) -> std::result::Result<(Header, u8, [Option<usize>; 2]), HeaderError> {
-    let mut magic = [0u8; 8];
-    if file_len < 8 {
-        return Err(HeaderError::Format(FormatError::NotPcow));
-    }
-    storage.read_at(&mut magic, 0).map_err(HeaderError::Io)?;
-    if magic != MAGIC {
-        return Err(HeaderError::Format(FormatError::NotPcow));
-    }
-    let min_slot = 1u64 << (MIN_CLUSTER_BITS - 1);
-    if file_len < min_slot {
-        return Err(HeaderError::Format(FormatError::Truncated {
-            len: file_len,
-        }));
-    }
-    // Slot A's cluster_bits tells where slot B is; if slot A is torn, try
-    // every geometry for B (its own cluster_bits must agree).
-    let mut bits = [0u8; 4];
-    if file_len >= 20 {
-        storage.read_at(&mut bits, 16).map_err(HeaderError::Io)?;
-    }
-    let a_bits = u32::from_le_bytes(bits);
-    let decode_at = |g: Geometry,
-                     at: u64|
-     -> std::result::Result<Option<(Header, Vec<u8>)>, HeaderError> {
-        let Some(buf) = read_slot(storage, at, g.slot_size(), file_len).map_err(HeaderError::Io)?
-        else {
-            return Ok(None);
-        };
-        match Header::decode(&buf, at) {
-            Ok(h) if h.geometry == g => Ok(Some((h, buf))),
-            Ok(_) => Ok(None),
-            Err(e) => Err(HeaderError::Format(e)),
-        }
-    };
-    let a = match Geometry::new(a_bits) {
-        Some(g) => decode_at(g, 0),
-        None => Err(HeaderError::Format(FormatError::ClusterBits {
-            value: a_bits,
-            offset: 16,
-        })),
-    };
-    let b = match &a {
-        Ok(Some((h, _))) => decode_at(h.geometry, h.geometry.slot_size() as u64),
-        _ => {
-            // Without slot A's geometry, slot B may be at any of the slot
-            // sizes. A candidate that has the magic but fails a rule is
-            // remembered, so the error names what is wrong with slot B.
-            let mut found = Ok(None);
-            for bits in MIN_CLUSTER_BITS..=MAX_CLUSTER_BITS {
-                if let Some(g) = Geometry::new(bits) {
-                    match decode_at(g, g.slot_size() as u64) {
-                        Ok(Some(x)) => {
-                            found = Ok(Some(x));
-                            break;
-                        }
-                        Err(HeaderError::Io(e)) => return Err(HeaderError::Io(e)),
-                        Err(HeaderError::Format(FormatError::HeaderMagic { .. })) | Ok(None) => {}
-                        Err(e) => {
-                            if matches!(found, Ok(None)) {
-                                found = Err(e);
-                            }
-                        }
-                    }
-                }
-            }
-            found
-        }
-    };
-    // A slot whose CRC is right is a real header even when a rule fails
-    // (unknown feature, future version): its error must not be hidden by
-    // falling back to the older slot.
-    let end = |r: &std::result::Result<Option<(Header, Vec<u8>)>, HeaderError>| match r {
-        Ok(Some((_, buf))) => Some(crate::slot_ends::content_end(buf)),
-        _ => None,
-    };
-    let ends = [end(&a), end(&b)];
-    match (a, b) {
-        (Ok(Some((ha, _))), Ok(Some((hb, _)))) => {
-            if hb.generation > ha.generation {
-                Ok((hb, 1, ends))
-            } else {
-                Ok((ha, 0, ends))
-            }
-        }
-        (
-            Ok(Some((ha, _))),
-            Ok(None)
-            | Err(HeaderError::Format(FormatError::Crc { .. } | FormatError::HeaderMagic { .. })),
-        ) => Ok((ha, 0, ends)),
-        (
-            Ok(None)
-            | Err(HeaderError::Format(
-                FormatError::Crc { .. }
-                | FormatError::HeaderMagic { .. }
-                | FormatError::ClusterBits { .. },
-            )),
-            Ok(Some((hb, _))),
-        ) => Ok((hb, 1, ends)),
-        (Err(HeaderError::Io(e)), _) | (_, Err(HeaderError::Io(e))) => Err(HeaderError::Io(e)),
-        (Err(HeaderError::Format(e)), _)
-            if !matches!(e, FormatError::Crc { .. } | FormatError::HeaderMagic { .. }) =>
-        {
-            Err(HeaderError::Format(e))
-        }
-        (_, Err(HeaderError::Format(e)))
-            if !matches!(e, FormatError::Crc { .. } | FormatError::HeaderMagic { .. }) =>
-        {
-            Err(HeaderError::Format(e))
-        }
-        (a, b) => Err(HeaderError::Format(FormatError::NoValidHeader {
-            a: describe(&a),
-            b: describe(&b),
-        })),
-    }
-}
-
-fn describe(r: &std::result::Result<Option<(Header, Vec<u8>)>, HeaderError>) -> String {
-    match r {
-        Ok(Some(_)) => "valid".into(),
-        Ok(None) => "absent".into(),
-        Err(HeaderError::Format(e)) => e.to_string(),
-        Err(HeaderError::Io(e)) => e.to_string(),
-    }
-}
+use crate::image::Image;
+use crate::meta::{ClusterMap, Entry, Layer, Segment, SnapshotInfo, VcnMap};
 
 /// The current slot of a metadata cluster and what to remember about the other.
 struct Chosen {
@@ -181,13 +29,13 @@ impl Image {
             source,
         };
         let g = self.g;
-        let h = &self.header;
-        let file_clusters = self.file_len >> g.cluster_bits();
+        let h = &self.header.staged;
+        let file_clusters = self.alloc.file_len >> g.cluster_bits();
         if h.cluster_count == 0 || h.cluster_count > file_clusters {
             return Err(fail(FormatError::ClusterCount {
                 value: h.cluster_count,
                 file_clusters,
-                offset: self.header_offset() + 64,
+                offset: self.header.offset() + 64,
             }));
         }
         let cc = h.cluster_count;
@@ -203,26 +51,16 @@ impl Image {
                 Err(fail(e))
             }
         };
-        self.layers = vec![Layer {
-            start: 0,
-            parent: None,
-            snap: None,
-            map: VcnMap::default(),
-            cur_slot: None,
-            dirty: false,
-        }];
-        self.segments.clear();
-        self.entries.clear();
-        self.bitmaps.clear();
-        self.stale.clear();
+        self.meta = ClusterMap::new(g.words());
+        self.found.stale.clear();
         let words = g.words();
         // The counter is untrusted, but entries can never outnumber the
         // committed clusters, which were checked against the file length.
-        let expect = self.header.data_cluster_count.min(cc) as usize;
-        self.entries.reserve(expect);
-        self.bitmaps.reserve(expect * words);
-        if self.header.layer_count <= 1 {
-            self.layers[0].map.reserve(expect);
+        let expect = self.header.staged.data_cluster_count.min(cc) as usize;
+        self.meta.entries.reserve(expect);
+        self.meta.bitmaps.reserve(expect * words);
+        if self.header.staged.layer_count <= 1 {
+            self.meta.layers[0].map.reserve(expect);
         }
         let slot_len = g.slot_size();
         let mut ids = HashSet::new();
@@ -234,16 +72,18 @@ impl Image {
             let at = g.offset(pos);
             self.storage
                 .read_at(&mut buf, at)
-                .map_err(crate::image::io_err(&self.path, "reading metadata"))?;
+                .map_err(crate::error::io_err(&self.path, "reading metadata"))?;
             for (i, bytes) in buf.chunks_exact(slot_len).enumerate() {
-                self.slot_ends.observed(at + (i * slot_len) as u64, bytes);
+                self.commit
+                    .slot_ends
+                    .observed(at + (i * slot_len) as u64, bytes);
             }
             let chosen = self.choose_slot(&buf, pos, at, gen).map_err(fail)?;
             let slot_at = at + u64::from(chosen.slot) * slot_len as u64;
             let slot = &buf[chosen.slot as usize * slot_len..(chosen.slot as usize + 1) * slot_len];
             match chosen.decoded.body {
                 SlotBody::Meta { layer, used } => {
-                    let layers = self.layers.len() as u32;
+                    let layers = self.meta.layers.len() as u32;
                     if layer >= layers {
                         return Err(fail(FormatError::MetaLayer {
                             layer,
@@ -266,8 +106,8 @@ impl Image {
                             cluster_count: cc,
                         }));
                     }
-                    let seg_idx = self.segments.len() as u32;
-                    let first = self.entries.len() as u32;
+                    let seg_idx = self.meta.segments.len() as u32;
+                    let first = self.meta.entries.len() as u32;
                     for i in 0..used as usize {
                         let entry_at =
                             slot_at + (crate::format::META_FIXED + i * g.entry_size()) as u64;
@@ -288,33 +128,33 @@ impl Image {
                                 pages: g.pages() as u64,
                                 offset: entry_at + 8,
                             })?;
-                        } else if self.layers[layer as usize].map.contains_key(&vcn) {
+                        } else if self.meta.layers[layer as usize].map.contains_key(&vcn) {
                             report(FormatError::DuplicateVcn {
                                 vcn,
                                 layer,
                                 offset: entry_at,
                             })?;
                         } else {
-                            let idx = self.entries.len() as u32;
-                            self.layers[layer as usize].map.insert(vcn, idx);
-                            self.entries.push(Entry {
+                            let idx = self.meta.entries.len() as u32;
+                            self.meta.layers[layer as usize].map.insert(vcn, idx);
+                            self.meta.entries.push(Entry {
                                 vcn,
                                 cluster,
                                 seg: seg_idx,
                             });
-                            self.bitmaps.extend_from_slice(&bm);
+                            self.meta.bitmaps.extend_from_slice(&bm);
                             continue;
                         }
                         // A rejected entry keeps its place so positions stay
                         // implied by index; it maps nothing.
-                        self.entries.push(Entry {
+                        self.meta.entries.push(Entry {
                             vcn: u64::MAX,
                             cluster,
                             seg: seg_idx,
                         });
-                        self.bitmaps.extend(std::iter::repeat_n(0, words));
+                        self.meta.bitmaps.extend(std::iter::repeat_n(0, words));
                     }
-                    self.segments.push(Segment {
+                    self.meta.segments.push(Segment {
                         meta: pos,
                         layer,
                         first,
@@ -328,7 +168,7 @@ impl Image {
                     if let Err(e) = check_snap_fields(slot, slot_at) {
                         report(e)?;
                     }
-                    let expected = self.layers.len() as u32;
+                    let expected = self.meta.layers.len() as u32;
                     if expected >= MAX_LAYERS {
                         return Err(fail(FormatError::SnapshotLayer {
                             value: s.layer,
@@ -374,7 +214,7 @@ impl Image {
                             });
                         }
                     }
-                    self.layers.push(Layer {
+                    self.meta.layers.push(Layer {
                         start: pos,
                         parent: Some(s.parent_layer),
                         snap,
@@ -386,28 +226,28 @@ impl Image {
                 }
             }
         }
-        self.next_cluster = cc;
+        self.alloc.next_cluster = cc;
         // R10: counters against what the walk found.
-        let hdr = self.header_offset();
-        let found_layers = self.layers.len() as u64;
-        let found_snaps = self.layers.iter().filter(|l| l.snap.is_some()).count() as u64;
-        let found_data = self.entries.len() as u64;
+        let hdr = self.header.offset();
+        let found_layers = self.meta.layers.len() as u64;
+        let found_snaps = self.meta.layers.iter().filter(|l| l.snap.is_some()).count() as u64;
+        let found_data = self.meta.entries.len() as u64;
         let counters = [
             (
                 "layer_count",
-                u64::from(self.header.layer_count),
+                u64::from(self.header.staged.layer_count),
                 found_layers,
                 hdr + 84,
             ),
             (
                 "snapshot_count",
-                u64::from(self.header.snapshot_count),
+                u64::from(self.header.staged.snapshot_count),
                 found_snaps,
                 hdr + 88,
             ),
             (
                 "data_cluster_count",
-                self.header.data_cluster_count,
+                self.header.staged.data_cluster_count,
                 found_data,
                 hdr + 72,
             ),
@@ -422,37 +262,33 @@ impl Image {
                 })?;
             }
         }
-        if self.header.active_layer as usize >= self.layers.len() {
+        if self.header.staged.active_layer as usize >= self.meta.layers.len() {
             return Err(fail(FormatError::ActiveLayer {
-                value: self.header.active_layer,
-                layer_count: self.layers.len() as u32,
+                value: self.header.staged.active_layer,
+                layer_count: self.meta.layers.len() as u32,
                 offset: hdr + 80,
             }));
         }
         // Id 0 means "no snapshot", so the counter is at least 1 even
         // without snapshots.
         let max = self
+            .meta
             .layers
             .iter()
             .filter_map(|l| l.snap.as_ref())
             .map(|s| s.id)
             .max();
         let min_next = max.unwrap_or(0) + 1;
-        if self.header.next_snapshot_id < min_next {
+        if self.header.staged.next_snapshot_id < min_next {
             report(FormatError::Counter {
                 name: "next_snapshot_id",
-                stored: u64::from(self.header.next_snapshot_id),
+                stored: u64::from(self.header.staged.next_snapshot_id),
                 found: u64::from(min_next),
                 offset: hdr + 92,
             })?;
         }
-        self.findings = findings;
+        self.found.findings = findings;
         Ok(())
-    }
-
-    /// File offset of the committed header slot.
-    pub(crate) fn header_offset(&self) -> u64 {
-        u64::from(self.header_slot) * self.g.slot_size() as u64
     }
 
     /// Picks the current slot of the metadata cluster at `pos`; records
@@ -514,7 +350,7 @@ impl Image {
                 why: faults.join("; "),
             });
         };
-        self.stale.extend(junk);
+        self.found.stale.extend(junk);
         Ok(best)
     }
 }

@@ -5,14 +5,20 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
 use crate::format::MAX_TAG;
-use crate::image::{Image, SnapshotInfo};
+use crate::image::Image;
+use crate::meta::SnapshotInfo;
 
 impl Image {
     /// Live snapshots, oldest first (ids are handed out in creation order;
     /// the layers that carry them need not be, after a rollback or a
     /// compaction).
     pub fn snapshots(&self) -> Vec<SnapshotInfo> {
-        let mut v: Vec<SnapshotInfo> = self.layers.iter().filter_map(|l| l.snap.clone()).collect();
+        let mut v: Vec<SnapshotInfo> = self
+            .meta
+            .layers
+            .iter()
+            .filter_map(|l| l.snap.clone())
+            .collect();
         v.sort_unstable_by_key(|s| s.id);
         v
     }
@@ -22,7 +28,8 @@ impl Image {
     fn find_snapshot(&self, snap: &str) -> Result<(usize, SnapshotInfo)> {
         let id = snap.parse::<u32>().ok();
         let found = |pred: &dyn Fn(&SnapshotInfo) -> bool| {
-            self.layers
+            self.meta
+                .layers
                 .iter()
                 .enumerate()
                 .find_map(|(i, l)| l.snap.as_ref().filter(|s| pred(s)).map(|s| (i, s.clone())))
@@ -53,6 +60,7 @@ impl Image {
             return Err(bad("must not contain NUL"));
         }
         if self
+            .meta
             .layers
             .iter()
             .any(|l| l.snap.as_ref().is_some_and(|s| s.tag == tag))
@@ -66,7 +74,7 @@ impl Image {
     }
 
     pub(crate) fn require_writable(&self) -> Result<()> {
-        if self.writable {
+        if self.access.writable {
             Ok(())
         } else {
             Err(Error::ReadOnly {
@@ -86,7 +94,7 @@ impl Image {
             .unwrap_or_default();
         // Id 0 means "no snapshot": never hand it out, even if a lenient
         // open let a zero counter through.
-        let id = self.header.next_snapshot_id.max(1);
+        let id = self.header.staged.next_snapshot_id.max(1);
         let id_next = id.checked_add(1).ok_or_else(|| Error::Limit {
             path: self.path.clone(),
             what: "snapshot ids exhausted".into(),
@@ -98,10 +106,10 @@ impl Image {
             tag: tag.to_owned(),
             time_sec: now.as_secs(),
             time_nsec: now.subsec_nanos(),
-            layer: self.header.active_layer,
+            layer: self.header.staged.active_layer,
         };
         self.create_snapshot_with(info.clone())?;
-        self.header.next_snapshot_id = id_next;
+        self.header.staged.next_snapshot_id = id_next;
         self.flush()?;
         Ok(info)
     }
@@ -109,8 +117,8 @@ impl Image {
     /// Stages a snapshot of the active layer with the given record (compact
     /// uses it to keep ids and times).
     pub(crate) fn create_snapshot_with(&mut self, info: SnapshotInfo) -> Result<()> {
-        let layer = self.append_layer(self.header.active_layer, Some(info))?;
-        self.header.active_layer = layer;
+        let layer = self.append_layer(self.header.staged.active_layer, Some(info))?;
+        self.header.staged.active_layer = layer;
         Ok(())
     }
 
@@ -123,7 +131,7 @@ impl Image {
         self.check_layer_room()?;
         self.begin_writing()?;
         let layer = self.append_layer(info.layer, None)?;
-        self.header.active_layer = layer;
+        self.header.staged.active_layer = layer;
         self.flush()?;
         Ok(info)
     }
@@ -135,9 +143,9 @@ impl Image {
         self.require_no_commit()?;
         let (i, info) = self.find_snapshot(snap)?;
         self.begin_writing()?;
-        self.layers[i].snap = None;
-        self.layers[i].dirty = true;
-        self.meta_dirty = true;
+        self.meta.layers[i].snap = None;
+        self.meta.layers[i].dirty = true;
+        self.commit.meta_dirty = true;
         self.flush()?;
         Ok(info)
     }

@@ -22,10 +22,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::chain::{open_base, Backing, ChainCtx};
+use crate::error::io_err;
 use crate::error::{Error, Result};
 use crate::format::{BaseFormat, BaseRef, Geometry, Header};
-use crate::image::{check_virtual_size, io_err, lock_file, Image, OpenOptions};
+use crate::image::{check_virtual_size, Image, OpenOptions};
 use crate::io::{CommitIo, FileStorage, Storage};
+use crate::lock::lock_file;
 use crate::DEFAULT_CLUSTER_SIZE;
 
 /// Where and how a temporary overlay is made.
@@ -231,7 +233,7 @@ impl Image {
         };
         let mut img = Image::open_inner(Box::new(storage), &shown, open, &mut ctx)?;
         img.base = Some(Box::new(backing));
-        img.temporary = true;
+        img.access.temporary = true;
         Ok(img)
     }
 }

@@ -5,9 +5,11 @@ use std::path::{Path, PathBuf};
 use std::os::unix::fs::MetadataExt;
 
 use crate::chain::{open_base_writable, resolve_base, Backing};
+use crate::error::io_err;
 use crate::error::{Error, Result};
 use crate::format::{MAX_CHAIN_DEPTH, PAGE_SIZE};
-use crate::image::{io_err, is_pcow, Image, OpenOptions};
+use crate::header::is_pcow;
+use crate::image::{Image, OpenOptions};
 use crate::ops::convert::is_zero;
 
 /// What a commit did.
@@ -178,8 +180,9 @@ fn is_pcow_file(path: &Path) -> bool {
 /// Virtual clusters that any layer on `layer`'s path holds, in order.
 pub(crate) fn held_vcns(img: &Image, layer: u32) -> Vec<u64> {
     let mut v: Vec<u64> = img
+        .meta
         .path_of(Some(layer))
-        .flat_map(|l| img.layers[l as usize].map.keys().copied())
+        .flat_map(|l| img.meta.layers[l as usize].map.keys().copied())
         .collect();
     v.sort_unstable();
     v.dedup();
@@ -190,10 +193,10 @@ pub(crate) fn held_vcns(img: &Image, layer: u32) -> Vec<u64> {
 pub(crate) fn held_pages(img: &Image, layer: u32, vcn: u64) -> Vec<bool> {
     let pages = img.geometry().pages();
     let mut held = vec![false; pages];
-    for l in img.path_of(Some(layer)) {
-        if let Some(&e) = img.layers[l as usize].map.get(&vcn) {
+    for l in img.meta.path_of(Some(layer)) {
+        if let Some(&e) = img.meta.layers[l as usize].map.get(&vcn) {
             for (p, h) in held.iter_mut().enumerate() {
-                *h |= img.bit(e, p);
+                *h |= img.meta.bit(e, p);
             }
         }
     }

@@ -5,9 +5,12 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use crate::error::io_err;
 use crate::error::Result;
 use crate::format::PAGE_SIZE;
-use crate::image::{io_err, lock_file, CreateOptions, Image, OpenOptions, SnapshotInfo};
+use crate::image::{CreateOptions, Image, OpenOptions};
+use crate::lock::lock_file;
+use crate::meta::SnapshotInfo;
 
 /// What a compaction did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -36,7 +39,7 @@ struct Plan {
 }
 
 fn plan(img: &Image) -> Plan {
-    let n = img.layers.len();
+    let n = img.meta.layers.len();
     let snapshots = img.snapshots();
     let mut head = vec![false; n];
     head[img.active_layer() as usize] = true;
@@ -45,12 +48,12 @@ fn plan(img: &Image) -> Plan {
     }
     let mut live = vec![false; n];
     for h in (0..n).filter(|&h| head[h]) {
-        for l in img.path_of(Some(h as u32)) {
+        for l in img.meta.path_of(Some(h as u32)) {
             live[l as usize] = true;
         }
     }
     let mut live_children = vec![0usize; n];
-    for (i, l) in img.layers.iter().enumerate().filter(|(i, _)| live[*i]) {
+    for (i, l) in img.meta.layers.iter().enumerate().filter(|(i, _)| live[*i]) {
         if let Some(p) = l.parent {
             live_children[p as usize] += 1;
         }
@@ -67,10 +70,10 @@ fn plan(img: &Image) -> Plan {
     let mut parent = HashMap::new();
     for &k in &kept {
         let mut group = vec![k];
-        let mut cur = img.layers[k as usize].parent;
+        let mut cur = img.meta.layers[k as usize].parent;
         while let Some(p) = cur.filter(|p| merged(*p as usize)) {
             group.push(p);
-            cur = img.layers[p as usize].parent;
+            cur = img.meta.layers[p as usize].parent;
         }
         groups.insert(k, group);
         parent.insert(k, cur);
@@ -101,7 +104,7 @@ pub fn compact(path: &Path) -> Result<CompactReport> {
         // base chain is only read.
         lock_file(f, path, true)?;
     }
-    let old_size = src.file_len;
+    let old_size = src.alloc.file_len;
     let tmp = tmp_path(path);
     let result = write_compacted(&src, &tmp);
     let (layers_after, clusters_after) = match result {
@@ -123,9 +126,9 @@ pub fn compact(path: &Path) -> Result<CompactReport> {
     Ok(CompactReport {
         old_size,
         new_size,
-        layers_before: src.layers.len() as u32,
+        layers_before: src.meta.layers.len() as u32,
         layers_after,
-        clusters_before: src.entries.len() as u64,
+        clusters_before: src.meta.entries.len() as u64,
         clusters_after,
     })
 }
@@ -170,7 +173,7 @@ fn write_compacted(src: &Image, tmp: &Path) -> Result<(u32, u64)> {
         let group = &p.groups[&k];
         let mut vcns: Vec<u64> = group
             .iter()
-            .flat_map(|&l| src.layers[l as usize].map.keys().copied())
+            .flat_map(|&l| src.meta.layers[l as usize].map.keys().copied())
             .collect();
         vcns.sort_unstable();
         vcns.dedup();
@@ -180,11 +183,11 @@ fn write_compacted(src: &Image, tmp: &Path) -> Result<(u32, u64)> {
             // Pages from the topmost layer of the group that holds them.
             for page in 0..g.pages() {
                 let holder = group.iter().find_map(|&l| {
-                    src.layers[l as usize]
+                    src.meta.layers[l as usize]
                         .map
                         .get(&vcn)
-                        .filter(|&&e| src.bit(e, page))
-                        .map(|&e| src.entries[e as usize].cluster)
+                        .filter(|&&e| src.meta.bit(e, page))
+                        .map(|&e| src.meta.entries[e as usize].cluster)
                 });
                 if let Some(cluster) = holder {
                     let at = page * PAGE_SIZE as usize;
@@ -206,11 +209,11 @@ fn write_compacted(src: &Image, tmp: &Path) -> Result<(u32, u64)> {
         let parent = p.new_index[&s.layer];
         dst.append_layer(parent, Some(SnapshotInfo { layer: parent, ..s }))?;
     }
-    dst.header.active_layer = p.new_index[&src.active_layer()];
-    dst.header.next_snapshot_id = src.header.next_snapshot_id;
-    dst.meta_dirty = true;
-    let layers = dst.layers.len() as u32;
-    let clusters = dst.entries.len() as u64;
+    dst.header.staged.active_layer = p.new_index[&src.active_layer()];
+    dst.header.staged.next_snapshot_id = src.header.staged.next_snapshot_id;
+    dst.commit.meta_dirty = true;
+    let layers = dst.meta.layers.len() as u32;
+    let clusters = dst.meta.entries.len() as u64;
     dst.close()?;
     Ok((layers, clusters))
 }

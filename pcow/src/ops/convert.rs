@@ -28,12 +28,13 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use crate::alloc::Preallocation;
 use crate::chain::Backing;
+use crate::error::io_err;
 use crate::error::{Error, Result};
 use crate::format::{BaseRef, Geometry, PAGE_SIZE};
-use crate::image::{
-    io_err, is_pcow, CreateOptions, Image, OpenOptions, Preallocation, DEFAULT_CLUSTER_SIZE,
-};
+use crate::header::is_pcow;
+use crate::image::{CreateOptions, Image, OpenOptions, DEFAULT_CLUSTER_SIZE};
 
 pub(crate) use super::source::{extent_data_ranges, file_data_ranges, is_zero, Source};
 pub use super::source::{ImageFormat, SnapshotSel};

@@ -40,8 +40,8 @@ pub fn rebase(path: &Path, new_base: Option<BaseRef>, unsafe_: bool) -> Result<(
         img.flush()?;
         img.base = new.map(Box::new);
     }
-    img.header.base = new_base;
-    img.meta_dirty = true;
+    img.header.staged.base = new_base;
+    img.commit.meta_dirty = true;
     img.close()
 }
 
@@ -57,8 +57,10 @@ fn copy_differences(img: &mut Image, new: Option<&Backing>) -> Result<()> {
         if !old_has && !new_has {
             continue;
         }
-        let held: Vec<bool> = match img.layers[0].map.get(&vcn) {
-            Some(&e) => (0..img.geometry().pages()).map(|p| img.bit(e, p)).collect(),
+        let held: Vec<bool> = match img.meta.layers[0].map.get(&vcn) {
+            Some(&e) => (0..img.geometry().pages())
+                .map(|p| img.meta.bit(e, p))
+                .collect(),
             None => vec![false; img.geometry().pages()],
         };
         if held.iter().all(|h| *h) {

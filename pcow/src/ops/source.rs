@@ -11,8 +11,12 @@ use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
 use crate::chain::RawImage;
+use crate::error::io_err;
 use crate::error::{Error, Result};
-use crate::image::{io_err, is_pcow, Extent, Image, OpenOptions, SnapshotInfo};
+use crate::extent::Extent;
+use crate::header::is_pcow;
+use crate::image::{Image, OpenOptions};
+use crate::meta::SnapshotInfo;
 
 /// An image file format as the command line names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,189 @@
+//! The cluster map: layers, segments, entries and their page bitmaps, as
+//! the scan found them and writes stage them, and the lookups through the
+//! layers of a view.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Multiplicative hash for cluster numbers: the keys are integers that
+/// SipHash would spend most of the open time on.
+#[derive(Default)]
+pub(crate) struct VcnHasher(u64);
+
+impl Hasher for VcnHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (n ^ (n >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+pub(crate) type VcnMap = HashMap<u64, u32, BuildHasherDefault<VcnHasher>>;
+
+/// A layer: a snapshot cluster (or the file start) and the entries after it.
+#[derive(Debug)]
+pub(crate) struct Layer {
+    /// The snapshot cluster that starts it (0 for layer 0).
+    pub start: u64,
+    /// The layer it is stacked on (`None` only for layer 0).
+    pub parent: Option<u32>,
+    /// The snapshot recorded in this layer's snapshot cluster; it names the
+    /// view of `parent`.
+    pub snap: Option<SnapshotInfo>,
+    /// vcn -> entry index.
+    pub map: VcnMap,
+    /// Slot holding the committed snapshot cluster (layers >= 1).
+    pub cur_slot: Option<u8>,
+    /// The snapshot cluster must be written at the next barrier.
+    pub dirty: bool,
+}
+
+/// A meta cluster and its data clusters.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    pub meta: u64,
+    pub layer: u32,
+    pub first: u32,
+    pub used: u32,
+    pub cur_slot: Option<u8>,
+    pub dirty: bool,
+}
+
+/// One data cluster.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Entry {
+    pub vcn: u64,
+    pub cluster: u64,
+    pub seg: u32,
+}
+
+/// A snapshot as the API reports it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SnapshotInfo {
+    /// Numeric id, unique in the file.
+    pub id: u32,
+    /// UTF-8 tag, unique in the file.
+    pub tag: String,
+    /// Creation time, seconds since the Unix epoch.
+    pub time_sec: u64,
+    /// Nanoseconds part of the creation time.
+    pub time_nsec: u32,
+    /// The layer whose view the snapshot names.
+    pub layer: u32,
+}
+
+/// Where a 4 KiB page of a view comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PageSrc {
+    /// This file, at this data cluster.
+    Local(u64),
+    /// The base image, at the same virtual offset.
+    Base,
+    /// Nothing holds it.
+    Zero,
+}
+
+/// The metadata of one file: which data cluster holds which virtual
+/// cluster of which layer, and which of its pages.
+#[derive(Debug)]
+pub(crate) struct ClusterMap {
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) segments: Vec<Segment>,
+    pub(crate) entries: Vec<Entry>,
+    /// `words` words per entry, staged.
+    pub(crate) bitmaps: Vec<u64>,
+    /// Bitmap words per entry.
+    words: usize,
+}
+
+impl ClusterMap {
+    /// Only layer 0, empty.
+    pub(crate) fn new(words: usize) -> Self {
+        ClusterMap {
+            layers: vec![Layer::root()],
+            segments: Vec::new(),
+            entries: Vec::new(),
+            bitmaps: Vec::new(),
+            words,
+        }
+    }
+
+    pub(crate) fn bitmap(&self, e: u32) -> &[u64] {
+        let w = self.words;
+        &self.bitmaps[e as usize * w..(e as usize + 1) * w]
+    }
+
+    pub(crate) fn bit(&self, e: u32, page: usize) -> bool {
+        self.bitmap(e)[page / 64] & (1 << (page % 64)) != 0
+    }
+
+    /// Sets pages `first..=last` of entry `e`; its segment is dirty.
+    pub(crate) fn set_bits(&mut self, e: u32, first: usize, last: usize) {
+        let w = self.words;
+        let bm = &mut self.bitmaps[e as usize * w..(e as usize + 1) * w];
+        for p in first..=last {
+            bm[p / 64] |= 1 << (p % 64);
+        }
+        let seg = self.entries[e as usize].seg as usize;
+        self.segments[seg].dirty = true;
+    }
+
+    /// Layers from `layer` down to layer 0.
+    pub(crate) fn path_of(&self, layer: Option<u32>) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(layer, move |l| self.layers[*l as usize].parent)
+    }
+
+    /// The source of page `page` of cluster `vcn` in the view of `layer`
+    /// (`None`: the view below layer 0); `has_base`: the file has a base.
+    pub(crate) fn page_src(
+        &self,
+        layer: Option<u32>,
+        vcn: u64,
+        page: usize,
+        has_base: bool,
+    ) -> PageSrc {
+        for l in self.path_of(layer) {
+            if let Some(&e) = self.layers[l as usize].map.get(&vcn) {
+                if self.bit(e, page) {
+                    return PageSrc::Local(self.entries[e as usize].cluster);
+                }
+            }
+        }
+        if has_base {
+            PageSrc::Base
+        } else {
+            PageSrc::Zero
+        }
+    }
+
+    /// Whether a layer of the view of `layer` holds virtual cluster `vcn`.
+    pub(crate) fn view_holds(&self, layer: Option<u32>, vcn: u64) -> bool {
+        self.path_of(layer)
+            .any(|l| self.layers[l as usize].map.contains_key(&vcn))
+    }
+
+    /// Snapshots live in the file.
+    pub(crate) fn snapshot_count(&self) -> usize {
+        self.layers.iter().filter(|l| l.snap.is_some()).count()
+    }
+}
+
+impl Layer {
+    /// Layer 0: the file start, no parent.
+    pub(crate) fn root() -> Self {
+        Layer {
+            start: 0,
+            parent: None,
+            snap: None,
+            map: VcnMap::default(),
+            cur_slot: None,
+            dirty: false,
+        }
+    }
+}
