@@ -4,13 +4,13 @@
 //!
 //! A barrier is a commit in three steps, so that a caller that shares the
 //! image under a lock holds it only for the fast ones:
-//! - [`Image::begin_commit`] (no sync) writes every dirty metadata slot
+//! - [`crate::LiveImage::begin_commit`] (no sync) writes every dirty metadata slot
 //!   into its other slot, builds the header of the next generation from
 //!   the state as staged now, and clears the dirty marks it covers;
 //! - [`Commit::write`] (no `Image`) syncs, writes the header slot and syncs
 //!   again, through the storage's [`crate::io::CommitIo`] handle;
-//! - [`Image::finish_commit`] publishes the written slots and header;
-//!   [`Image::abort_commit`] marks what the commit covered dirty again.
+//! - [`crate::LiveImage::finish_commit`] publishes the written slots and header;
+//!   [`crate::LiveImage::abort_commit`] marks what the commit covered dirty again.
 //!
 //! Changes made between begin and finish (clusters allocated, pages
 //! recorded) mark things dirty again and belong to the next commit: the
@@ -48,7 +48,8 @@ fn other(slot: Option<u8>) -> u8 {
 
 impl Image {
     /// Makes every write so far durable and commits the staged metadata:
-    /// [`Image::begin_commit`], [`Commit::write`], [`Image::finish_commit`].
+    /// the staged commit's three steps in a row (see
+    /// [`crate::LiveImage::begin_commit`]).
     /// On error nothing is committed; the staged state is kept and a later
     /// barrier retries it.
     pub fn flush(&mut self) -> Result<()> {
@@ -65,23 +66,24 @@ impl Image {
     }
 
     /// Refuses a metadata write while a commit is pending.
-    pub(crate) fn require_no_commit(&self) -> Result<()> {
-        match self.commit.pending {
+    /// A commit whose [`Commit`] was dropped without being handed back can
+    /// no longer write: it is settled here (published if it was written,
+    /// else undone), so that a lost handle does not block the image.
+    pub(crate) fn require_no_commit(&mut self) -> Result<()> {
+        match &self.commit.pending {
+            None => Ok(()),
+            Some(p) if p.handle_dropped() => {
+                self.settle_pending();
+                Ok(())
+            }
             Some(_) => Err(Error::CommitPending {
                 path: self.path.clone(),
             }),
-            None => Ok(()),
         }
     }
 
-    /// Stages a commit of everything written so far, without syncing:
-    /// writes each dirty segment's and layer's slot into its other slot,
-    /// builds the next generation's header from the state as it is now,
-    /// and clears the dirty marks this covers. `None` when there is
-    /// nothing to make durable (or the image is not writing). Changes made
-    /// before the commit is finished or aborted belong to the next one.
-    /// Refused while another commit is pending.
-    pub fn begin_commit(&mut self) -> Result<Option<Commit>> {
+    /// See [`crate::LiveImage::begin_commit`].
+    pub(crate) fn begin_commit(&mut self) -> Result<Option<Commit>> {
         if !self.access.writable {
             return Ok(None);
         }
@@ -133,7 +135,7 @@ impl Image {
     }
 
     /// Writes the dirty slots and encodes the next header (see
-    /// [`Image::begin_commit`]); marks nothing clean.
+    /// [`crate::LiveImage::begin_commit`]); marks nothing clean.
     #[allow(clippy::type_complexity)]
     fn stage_metadata(&mut self) -> Result<(Vec<Written>, Header, u8, HeaderWrite, usize)> {
         let path = self.path.clone();
@@ -238,11 +240,8 @@ impl Image {
         }
     }
 
-    /// Publishes a written commit: its slots and header become the current
-    /// ones. Marks set again since [`Image::begin_commit`] stay set. A
-    /// commit that was not written is aborted instead
-    /// ([`Error::CommitUnwritten`]).
-    pub fn finish_commit(&mut self, c: Commit) -> Result<()> {
+    /// See [`crate::LiveImage::finish_commit`].
+    pub(crate) fn finish_commit(&mut self, c: Commit) -> Result<()> {
         let p = self.take_pending(&c)?;
         let progress = *progress(&p.gate);
         if progress == Progress::Written {
@@ -256,12 +255,8 @@ impl Image {
         }
     }
 
-    /// Gives up a commit: nothing of it is committed and everything it
-    /// covered is dirty again, for a later commit to rewrite. A commit
-    /// already written is durable in the file, so it is published instead:
-    /// forgetting it would let the next commit overwrite slots its header
-    /// names.
-    pub fn abort_commit(&mut self, c: Commit) -> Result<()> {
+    /// See [`crate::LiveImage::abort_commit`].
+    pub(crate) fn abort_commit(&mut self, c: Commit) -> Result<()> {
         let p = self.take_pending(&c)?;
         let progress = *progress(&p.gate);
         if progress == Progress::Written {
@@ -327,9 +322,12 @@ impl Image {
         self.commit.meta_dirty |= p.had_meta;
     }
 
-    /// Whether a commit is pending (begun, not yet finished or aborted).
-    pub fn commit_pending(&self) -> bool {
-        self.commit.pending.is_some()
+    /// See [`crate::LiveImage::commit_pending`].
+    pub(crate) fn commit_pending(&self) -> bool {
+        self.commit
+            .pending
+            .as_ref()
+            .is_some_and(|p| !p.handle_dropped())
     }
 
     /// Generation of the last committed barrier.

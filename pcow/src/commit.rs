@@ -79,6 +79,14 @@ pub(crate) struct Pending {
     pub(crate) had_meta: bool,
 }
 
+impl Pending {
+    /// Whether the [`Commit`] handed out for it is gone (dropped without
+    /// being handed back): nothing can write it any more.
+    pub(crate) fn handle_dropped(&self) -> bool {
+        Arc::strong_count(&self.gate) == 1
+    }
+}
+
 /// The header slot a commit writes, as the bytes to write there.
 #[derive(Debug)]
 pub(crate) struct HeaderWrite {
@@ -86,9 +94,9 @@ pub(crate) struct HeaderWrite {
     pub(crate) at: u64,
 }
 
-/// A commit staged by [`crate::Image::begin_commit`]: the I/O that makes it
+/// A commit staged by [`crate::LiveImage::begin_commit`]: the I/O that makes it
 /// durable, done without the image by [`Commit::write`], then handed back
-/// to [`crate::Image::finish_commit`] (or [`crate::Image::abort_commit`]).
+/// to [`crate::LiveImage::finish_commit`] (or [`crate::LiveImage::abort_commit`]).
 #[must_use = "a commit must be written and finished, or aborted"]
 pub struct Commit {
     pub(crate) id: u64,

@@ -71,7 +71,7 @@ pub use extent::Extent;
 pub use format::{BaseFormat, BaseRef, FormatError, Geometry, Header};
 pub use header::is_pcow;
 pub use image::{CreateOptions, Image, OpenOptions, DEFAULT_CLUSTER_SIZE};
-pub use live::ActiveCluster;
+pub use live::{ActiveCluster, LiveImage};
 pub use meta::SnapshotInfo;
 pub use temp::TempOptions;
 pub use view::{ClusterSource, PageLocation};

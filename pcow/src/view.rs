@@ -101,7 +101,7 @@ impl Image {
     }
 
     /// Where each 4 KiB page of virtual cluster `vcn` of the image's view
-    /// lives, in the chain's files (see [`Image::chain_files`]).
+    /// lives, in the chain's files (see [`crate::LiveImage::chain_files`]).
     pub fn cluster_source(&self, vcn: u64) -> ClusterSource {
         let cs = self.g.cluster_size();
         let active = self.header.staged.active_layer;
@@ -255,7 +255,7 @@ pub enum ClusterSource {
     /// A whole cluster of read-only data, contiguous in one file of the
     /// chain: map it private (the host kernel copies a page on write).
     ReadOnly {
-        /// Index into [`Image::chain_files`].
+        /// Index into [`crate::LiveImage::chain_files`].
         depth: usize,
         /// Byte offset in that file.
         offset: u64,
@@ -273,7 +273,7 @@ pub enum PageLocation {
     Zero,
     /// In a file of the chain.
     File {
-        /// Index into [`Image::chain_files`].
+        /// Index into [`crate::LiveImage::chain_files`].
         depth: usize,
         /// Byte offset in that file.
         offset: u64,

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use pcow::io::Storage;
-use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
+use pcow::{BaseFormat, BaseRef, CreateOptions, Image, LiveImage, OpenOptions};
 
 const SECTOR: u64 = 512;
 /// Seeded-random subsets of the pending writes tried at each crash point.
@@ -638,6 +638,15 @@ impl Run {
         self.img.as_mut().expect("image is open")
     }
 
+    /// Runs `f` on the image as a device holds it.
+    fn live<T>(&mut self, f: impl FnOnce(&mut LiveImage) -> T) -> T {
+        let img = self.img.take().expect("image is open");
+        let mut live = LiveImage::new(img).unwrap();
+        let t = f(&mut live);
+        self.img = Some(live.into_image());
+        t
+    }
+
     fn state(&self) -> State {
         State {
             content: Arc::new(self.cur.clone()),
@@ -685,14 +694,14 @@ impl Run {
         self.record_barrier("flush", start);
     }
 
-    /// A barrier in the three steps of a staged commit, with `between`
-    /// run after `begin_commit` and `after` after `Commit::write` (the
+    /// A barrier in the three steps of a staged commit (through
+    /// [`LiveImage`], as a device runs it), with `between` run after
+    /// `begin_commit` and `after` after `Commit::write` (the
     /// writes a device's faults make while the commit is in flight).
     fn staged(&mut self, between: impl FnOnce(&mut Run), after: impl FnOnce(&mut Run)) {
         let start = self.disk.pos();
         let mut c = self
-            .img()
-            .begin_commit()
+            .live(|l| l.begin_commit())
             .unwrap()
             .expect("something to commit");
         // The commit holds the state as staged at begin.
@@ -702,7 +711,7 @@ impl Run {
         c.write().unwrap();
         let written = self.disk.pos();
         after(self);
-        self.img().finish_commit(c).unwrap();
+        self.live(|l| l.finish_commit(c)).unwrap();
         let log = self.disk.log();
         let done = log[start..written]
             .iter()
@@ -721,12 +730,11 @@ impl Run {
     /// committed, the next barrier commits it all.
     fn staged_abort(&mut self, between: impl FnOnce(&mut Run)) {
         let c = self
-            .img()
-            .begin_commit()
+            .live(|l| l.begin_commit())
             .unwrap()
             .expect("something to commit");
         between(self);
-        self.img().abort_commit(c).unwrap();
+        self.live(|l| l.abort_commit(c)).unwrap();
     }
 
     fn snapshot_create(&mut self, tag: &str) {
@@ -1089,7 +1097,7 @@ fn crash_second_segment() {
     // second segment, and the snapshot starts a third.
     let mut r = Run::create("segments-4k", 4096, MIB);
     // A small pool: the file grows (allocate) every few clusters.
-    r.img().set_pool_clusters(5);
+    r.live(|l| l.set_pool_clusters(5));
     let mut rng = Rng(7);
     let mut vcns: Vec<u64> = (0..256).collect();
     for i in (1..vcns.len()).rev() {

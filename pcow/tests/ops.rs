@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
+use pcow::{BaseFormat, BaseRef, CreateOptions, Image, LiveImage, OpenOptions};
 
 const MIB: u64 = 1 << 20;
 
@@ -215,9 +215,10 @@ fn device_api_allocates_records_pages_and_survives_reopen() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("dev.pcow");
     let mut img = create(&p, MIB, 65536, None);
-    img.set_pool_clusters(8);
     img.write_at(&[1u8; 65536], 0).unwrap();
     img.snapshot_create("s").unwrap();
+    let mut img = LiveImage::new(img).unwrap();
+    img.set_pool_clusters(8);
     // A hole: the fresh cluster is the whole truth.
     let hole = img.active_cluster(5).unwrap();
     assert!(hole.fresh && hole.whole);
@@ -261,8 +262,9 @@ fn cluster_sources_for_a_device_and_completing_active_clusters() {
     let (base, p) = (d.path().join("base.raw"), d.path().join("top.pcow"));
     // A raw base of 2.5 clusters: the third cluster's tail is past its end.
     std::fs::write(&base, vec![3u8; 65536 * 2 + 6000]).unwrap();
-    let mut img = create(&p, MIB, 65536, Some("base.raw"));
-    assert_eq!(img.chain_files().len(), 2);
+    let live = LiveImage::new(create(&p, MIB, 65536, Some("base.raw"))).unwrap();
+    assert_eq!(live.chain_files().len(), 2);
+    let mut img = live.into_image();
     img.write_at(&[1; 65536], 3 * 65536).unwrap(); // hole below: whole
     img.write_at(&[2; 100], 10).unwrap(); // over the base: page 0 only
     assert_eq!(
@@ -324,6 +326,7 @@ fn cluster_sources_for_a_device_and_completing_active_clusters() {
         b
     };
     img.write_at(&[4; 10], 65536 + 5).unwrap();
+    let mut img = LiveImage::new(img).unwrap();
     assert_eq!(img.complete_active_clusters().unwrap(), 1);
     assert!(matches!(
         img.cluster_source(1),
@@ -341,8 +344,9 @@ fn pool_fill_active_offset_and_chain_paths() {
     let d = tempfile::tempdir().unwrap();
     let (base, p) = (d.path().join("b.raw"), d.path().join("t.pcow"));
     std::fs::write(&base, [1u8; 4096]).unwrap();
-    let mut img = create(&p, MIB, 65536, Some("b.raw"));
+    let img = create(&p, MIB, 65536, Some("b.raw"));
     assert_eq!(img.chain_paths(), [p.clone(), base.clone()]);
+    let mut img = LiveImage::new(img).unwrap();
     img.set_pool_clusters(8);
     assert_eq!(img.fill_pool().unwrap(), 8);
     assert_eq!(img.fill_pool().unwrap(), 0, "already full");
@@ -364,7 +368,7 @@ fn pool_worker_protocol() {
     use std::os::unix::io::AsRawFd;
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("w.pcow");
-    let mut img = create(&p, MIB, 65536, None);
+    let mut img = LiveImage::new(create(&p, MIB, 65536, None)).unwrap();
     img.set_pool_clusters(4);
     let (off, len) = img.pool_shortfall().unwrap();
     assert_eq!((off, len), (65536, 4 * 65536));
@@ -403,7 +407,7 @@ fn written_clusters_grow_the_file_sparsely_once_the_pool_is_empty() {
     let (base, p) = (d.path().join("b.raw"), d.path().join("t.pcow"));
     let cs = 65536u64;
     std::fs::write(&base, vec![1u8; MIB as usize]).unwrap();
-    let mut img = create(&p, MIB, cs, Some("b.raw"));
+    let mut img = LiveImage::new(create(&p, MIB, cs, Some("b.raw"))).unwrap();
     img.set_pool_clusters(2);
     // Header + the first segment's metadata cluster + the pool.
     assert_eq!(img.fill_pool().unwrap(), 2);
@@ -474,7 +478,7 @@ fn closing_drops_a_stale_refill_past_the_file() {
     let (base, p) = (d.path().join("b.raw"), d.path().join("t.pcow"));
     let cs = 65536u64;
     std::fs::write(&base, vec![1u8; MIB as usize]).unwrap();
-    let mut img = create(&p, MIB, cs, Some("b.raw"));
+    let mut img = LiveImage::new(create(&p, MIB, cs, Some("b.raw"))).unwrap();
     img.set_pool_clusters(4);
     let stale = img.pool_shortfall().unwrap();
     // The barrier takes clusters first and grows the file page by page.
@@ -499,7 +503,7 @@ fn inline_growth_caps_what_an_empty_pool_reserves() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("g.pcow");
     let cs = 65536u64;
-    let mut img = create(&p, MIB, cs, None);
+    let mut img = LiveImage::new(create(&p, MIB, cs, None)).unwrap();
     img.set_pool_clusters(12);
     img.set_inline_growth(2);
     // Header, then the first allocation: a segment's metadata cluster and

@@ -1,12 +1,16 @@
-//! The staged commit (`begin_commit`, `Commit::write`, `finish_commit` /
-//! `abort_commit`) on real files: what changes while a commit is in flight
+//! The staged commit (`LiveImage::begin_commit`, `Commit::write`,
+//! `finish_commit` / `abort_commit`) on real files, with writes made as a
+//! device makes them (a cluster from `active_cluster`, the page written
+//! into the file, `record_pages`): what changes while a commit is in flight
 //! belongs to the next one, an abort loses nothing, and metadata writes
 //! are refused while a commit is pending. Crash points of the staged path
 //! are covered in `crash.rs` (`crash_staged_commit_*`).
 
 use std::path::{Path, PathBuf};
 
-use pcow::{CreateOptions, Error, Image, OpenOptions};
+use std::os::unix::fs::FileExt;
+
+use pcow::{CreateOptions, Error, Image, LiveImage, OpenOptions};
 
 const CS: u64 = 64 << 10;
 const VS: u64 = 4 << 20;
@@ -59,6 +63,23 @@ fn view(img: &Image) -> Vec<u8> {
     buf
 }
 
+/// Writes page `page` of virtual cluster `vcn` as a device does: into the
+/// active layer's cluster in the file, then recorded.
+fn device_write(live: &mut LiveImage, vcn: u64, page: usize, byte: u8) {
+    let ac = live.active_cluster(vcn).unwrap();
+    let at = ac.file_offset + page as u64 * 4096;
+    live.chain_files()[0]
+        .write_all_at(&[byte; 4096], at)
+        .unwrap();
+    live.record_pages(vcn, page, 1).unwrap();
+    live.mark_data_written();
+}
+
+fn page_of(v: &[u8], vcn: u64, page: usize) -> &[u8] {
+    let at = (vcn * CS) as usize + page * 4096;
+    &v[at..at + 4096]
+}
+
 #[test]
 fn changes_during_a_commit_belong_to_the_next_one() {
     let dir = tempfile::tempdir().unwrap();
@@ -66,23 +87,42 @@ fn changes_during_a_commit_belong_to_the_next_one() {
     img.write_at(&[1; 8192], 0).unwrap();
     img.snapshot_create("s").unwrap();
     img.write_at(&[2; 4096], CS).unwrap();
-    let staged = view(&img);
-    let mut c = img.begin_commit().unwrap().expect("changes to commit");
+    // Cluster 0 of the active layer holds page 0 only; page 1 is the
+    // snapshot's.
+    img.write_at(&[7; 10], 0).unwrap();
+    let mut live = LiveImage::new(img).unwrap();
+    let staged = view(&live);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
     // A fault's work while the commit is in flight: a cluster allocated
-    // (pages recorded in it), and a page recorded over snapshot data.
-    let ac = img.active_cluster(3).unwrap();
-    assert!(ac.fresh);
-    img.write_at(&[3; 4096], 3 * CS).unwrap();
-    img.write_at(&[4; 100], 4096).unwrap();
-    let clusters_before = img.allocated_clusters();
+    // with a page recorded in it, a page recorded over snapshot data in a
+    // cluster the commit covers, a page written in place.
+    assert!(live.active_cluster(3).unwrap().fresh);
+    device_write(&mut live, 3, 0, 3);
+    device_write(&mut live, 0, 1, 4);
+    device_write(&mut live, 1, 2, 6);
+    let clusters_before = live.allocated_clusters();
     c.write().unwrap();
-    img.write_at(&[5; 10], 5 * CS).unwrap();
-    img.finish_commit(c).unwrap();
-    let later = view(&img);
-    assert_ne!(later, staged);
+    device_write(&mut live, 5, 0, 5);
+    live.finish_commit(c).unwrap();
+    let later = view(&live);
+    assert_eq!(page_of(&later, 3, 0), [3; 4096]);
+    assert_eq!(page_of(&later, 0, 1), [4; 4096]);
+    assert_eq!(page_of(&later, 1, 2), [6; 4096]);
+    assert_eq!(page_of(&later, 5, 0), [5; 4096]);
 
-    // The committed generation is the view as staged at begin.
-    let (committed, clusters) = crash_view(&path);
+    // The committed generation is the view as staged at begin: the new
+    // clusters and the recorded page are not in it. Data written in place
+    // into a cluster it holds is not versioned: that page may show either.
+    let (mut committed, clusters) = crash_view(&path);
+    let in_place = page_of(&committed, 1, 2).to_vec();
+    assert!(in_place == page_of(&staged, 1, 2) || in_place == [6; 4096]);
+    let at = (CS + 2 * 4096) as usize;
+    committed[at..at + 4096].copy_from_slice(page_of(&staged, 1, 2));
+    assert_eq!(
+        page_of(&committed, 0, 1),
+        [1; 4096],
+        "a page recorded after begin"
+    );
     assert!(
         committed == staged,
         "the commit holds changes made after begin"
@@ -93,10 +133,10 @@ fn changes_during_a_commit_belong_to_the_next_one() {
     );
 
     // The next barrier commits the rest.
-    img.flush().unwrap();
+    live.flush().unwrap();
     let (committed, _) = crash_view(&path);
     assert!(committed == later, "changes made during a commit were lost");
-    img.close().unwrap();
+    live.close().unwrap();
     let img = Image::open(&path, OpenOptions::read_only()).unwrap();
     assert!(pcow::check::report(&img).is_clean());
     assert!(view(&img) == later);
@@ -113,16 +153,19 @@ fn an_aborted_commit_is_committed_by_the_next_barrier() {
     img.snapshot_create("s").unwrap();
     img.write_at(&[3; 50], 10).unwrap();
     let before = crash_view(&path).0;
-    let c = img.begin_commit().unwrap().expect("changes to commit");
-    img.write_at(&[4; 4096], 6 * CS).unwrap();
-    img.abort_commit(c).unwrap();
-    assert_eq!(img.generation(), gen + 1, "an abort committed something");
+    let mut live = LiveImage::new(img).unwrap();
+    let c = live.begin_commit().unwrap().expect("changes to commit");
+    device_write(&mut live, 6, 3, 4);
+    live.abort_commit(c).unwrap();
+    assert_eq!(live.generation(), gen + 1, "an abort committed something");
     assert!(crash_view(&path).0 == before);
     // Written but never synced: the next barrier must rewrite it all.
-    img.flush().unwrap();
-    let all = view(&img);
+    live.flush().unwrap();
+    let all = view(&live);
+    assert_eq!(page_of(&all, 6, 3), [4; 4096]);
+    assert_eq!(all[10..60], [3; 50]);
     assert!(crash_view(&path).0 == all);
-    img.close().unwrap();
+    live.close().unwrap();
     let img = Image::open(&path, OpenOptions::read_only()).unwrap();
     assert!(pcow::check::report(&img).is_clean());
     assert!(view(&img) == all);
@@ -135,39 +178,45 @@ fn metadata_writes_are_refused_while_a_commit_is_pending() {
     img.write_at(&[1; 4096], 0).unwrap();
     img.snapshot_create("s").unwrap();
     img.write_at(&[2; 4096], 0).unwrap();
-    let mut c = img.begin_commit().unwrap().expect("changes to commit");
-    assert!(img.commit_pending());
+    let mut live = LiveImage::new(img).unwrap();
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
+    assert!(live.commit_pending());
     let pending = |r: pcow::Result<()>| matches!(r, Err(Error::CommitPending { .. }));
-    assert!(pending(img.flush()));
-    assert!(pending(img.begin_commit().map(drop)));
-    assert!(pending(img.snapshot_create("t").map(drop)));
+    assert!(pending(live.flush()));
+    assert!(pending(live.begin_commit().map(drop)));
+    assert!(pending(live.snapshot_create("t").map(drop)));
+    assert!(pending(live.snapshot_delete("s").map(drop)));
+    // The image's other metadata changes, on the image itself.
+    let mut img = live.into_image();
     assert!(pending(img.snapshot_apply("s").map(drop)));
-    assert!(pending(img.snapshot_delete("s").map(drop)));
     assert!(pending(img.grow(2 * VS)));
     assert!(pending(
         img.preallocate(pcow::Preallocation::Falloc).map(drop)
     ));
     // Data writes go on.
     img.write_at(&[3; 4096], CS).unwrap();
+    let mut live = LiveImage::new(img).unwrap();
+    device_write(&mut live, 4, 0, 9);
     c.write().unwrap();
-    img.finish_commit(c).unwrap();
-    assert!(!img.commit_pending());
-    img.snapshot_create("t").unwrap();
-    img.flush().unwrap();
-    assert_eq!(img.snapshots().len(), 2);
-    img.close().unwrap();
+    live.finish_commit(c).unwrap();
+    assert!(!live.commit_pending());
+    live.snapshot_create("t").unwrap();
+    live.flush().unwrap();
+    assert_eq!(live.snapshots().len(), 2);
+    live.close().unwrap();
 }
 
 #[test]
 fn nothing_to_commit_is_none_and_a_stale_commit_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let (path, mut img) = create(dir.path());
-    assert!(img.begin_commit().unwrap().is_none());
-    img.write_at(&[1; 10], 0).unwrap();
-    let mut c = img.begin_commit().unwrap().expect("changes to commit");
+    let (path, img) = create(dir.path());
+    let mut live = LiveImage::new(img).unwrap();
+    assert!(live.begin_commit().unwrap().is_none());
+    device_write(&mut live, 0, 0, 1);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
     c.write().unwrap();
-    img.finish_commit(c).unwrap();
-    assert!(img.begin_commit().unwrap().is_none());
+    live.finish_commit(c).unwrap();
+    assert!(live.begin_commit().unwrap().is_none());
 
     // A commit of another image is not this one's.
     let other_path = dir.path().join("other.pcow");
@@ -176,60 +225,141 @@ fn nothing_to_commit_is_none_and_a_stale_commit_is_refused() {
         virtual_size: Some(VS),
         ..Default::default()
     };
-    let mut other = Image::create(&other_path, &opts).unwrap();
-    other.write_at(&[9; 10], 0).unwrap();
+    let mut other = LiveImage::new(Image::create(&other_path, &opts).unwrap()).unwrap();
+    device_write(&mut other, 0, 0, 9);
     let foreign = other.begin_commit().unwrap().expect("changes to commit");
-    img.write_at(&[2; 10], 0).unwrap();
-    let mine = img.begin_commit().unwrap().expect("changes to commit");
+    device_write(&mut live, 0, 0, 2);
+    let mine = live.begin_commit().unwrap().expect("changes to commit");
     assert!(matches!(
-        img.finish_commit(foreign),
+        live.finish_commit(foreign),
         Err(Error::CommitNotPending { .. })
     ));
-    assert!(img.commit_pending(), "a foreign commit settled ours");
+    assert!(live.commit_pending(), "a foreign commit settled ours");
     // Finishing a commit that was not written aborts it.
     assert!(matches!(
-        img.finish_commit(mine),
+        live.finish_commit(mine),
         Err(Error::CommitUnwritten { .. })
     ));
-    img.flush().unwrap();
-    img.close().unwrap();
+    assert!(!live.commit_pending());
+    live.flush().unwrap();
+    live.close().unwrap();
     let img = Image::open(&path, OpenOptions::read_only()).unwrap();
-    let mut b = [0u8; 10];
-    img.read_at(&mut b, 0).unwrap();
-    assert_eq!(b, [2; 10]);
+    assert!(pcow::check::report(&img).is_clean());
+    assert_eq!(page_of(&view(&img), 0, 0), [2; 4096]);
+}
+
+#[test]
+fn a_cancelled_commit_stays_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, img) = create(dir.path());
+    let mut live = LiveImage::new(img).unwrap();
+    device_write(&mut live, 1, 0, 7);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
+    // Closing cancels the commit; the handle's write is refused and stays
+    // refused.
+    let img = live.into_image();
+    img.close().unwrap();
+    assert!(matches!(c.write(), Err(Error::CommitCancelled { .. })));
+    assert!(matches!(c.write(), Err(Error::CommitCancelled { .. })));
+    drop(c);
+    let img = Image::open(&path, OpenOptions::read_only()).unwrap();
+    assert!(pcow::check::report(&img).is_clean());
+    assert_eq!(page_of(&view(&img), 1, 0), [7; 4096]);
 }
 
 #[test]
 fn closing_with_a_commit_in_flight_cancels_it() {
     let dir = tempfile::tempdir().unwrap();
-    let (path, mut img) = create(dir.path());
-    img.write_at(&[7; 4096], 0).unwrap();
-    let mut c = img.begin_commit().unwrap().expect("changes to commit");
-    img.close().unwrap();
+    let (path, img) = create(dir.path());
+    let mut live = LiveImage::new(img).unwrap();
+    device_write(&mut live, 0, 0, 7);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
+    live.close().unwrap();
     assert!(matches!(c.write(), Err(Error::CommitCancelled { .. })));
     // The handle shares the file, and with it the lock.
     drop(c);
     let img = Image::open(&path, OpenOptions::read_only()).unwrap();
     assert!(pcow::check::report(&img).is_clean());
-    let mut b = [0u8; 4096];
-    img.read_at(&mut b, 0).unwrap();
-    assert_eq!(b, [7; 4096], "close lost the cancelled commit's writes");
+    assert_eq!(
+        page_of(&view(&img), 0, 0),
+        [7; 4096],
+        "close lost the cancelled commit's writes"
+    );
+}
+
+#[test]
+fn closing_after_the_write_publishes_the_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, img) = create(dir.path());
+    let mut live = LiveImage::new(img).unwrap();
+    device_write(&mut live, 2, 1, 8);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
+    c.write().unwrap();
+    // Never handed back: closing must take the written header as
+    // committed, not write the same generation again over it.
+    live.close().unwrap();
+    drop(c);
+    let img = Image::open(&path, OpenOptions::read_only()).unwrap();
+    assert!(pcow::check::report(&img).is_clean());
+    assert_eq!(page_of(&view(&img), 2, 1), [8; 4096]);
 }
 
 #[test]
 fn a_commit_is_written_from_another_thread() {
     let dir = tempfile::tempdir().unwrap();
-    let (path, mut img) = create(dir.path());
-    img.write_at(&[8; 4096], CS).unwrap();
-    let mut c = img.begin_commit().unwrap().expect("changes to commit");
+    let (path, img) = create(dir.path());
+    let mut live = LiveImage::new(img).unwrap();
+    device_write(&mut live, 1, 0, 8);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
     let c = std::thread::spawn(move || {
         c.write().unwrap();
         c
     })
     .join()
     .unwrap();
-    img.finish_commit(c).unwrap();
+    live.finish_commit(c).unwrap();
     let (committed, _) = crash_view(&path);
-    assert_eq!(committed[CS as usize..CS as usize + 4096], [8; 4096]);
+    assert_eq!(page_of(&committed, 1, 0), [8; 4096]);
+    live.close().unwrap();
+}
+
+#[test]
+fn a_read_only_image_is_not_live() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, img) = create(dir.path());
     img.close().unwrap();
+    let img = Image::open(&path, OpenOptions::read_only()).unwrap();
+    assert!(matches!(LiveImage::new(img), Err(Error::ReadOnly { .. })));
+}
+
+#[test]
+fn a_dropped_commit_does_not_block_the_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, img) = create(dir.path());
+    let mut live = LiveImage::new(img).unwrap();
+    let gen = live.generation();
+    // Dropped before its write: undone, the next barrier commits it all.
+    device_write(&mut live, 1, 0, 1);
+    let c = live.begin_commit().unwrap().expect("changes to commit");
+    assert!(live.commit_pending());
+    drop(c);
+    assert!(!live.commit_pending());
+    live.flush().unwrap();
+    assert_eq!(live.generation(), gen + 1);
+    assert_eq!(page_of(&crash_view(&path).0, 1, 0), [1; 4096]);
+    // Dropped after its write: it is durable, so it is published, and the
+    // next barrier takes the next generation.
+    device_write(&mut live, 2, 0, 2);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
+    c.write().unwrap();
+    drop(c);
+    device_write(&mut live, 3, 0, 3);
+    live.flush().unwrap();
+    assert_eq!(live.generation(), gen + 3);
+    let committed = crash_view(&path).0;
+    assert_eq!(page_of(&committed, 2, 0), [2; 4096]);
+    assert_eq!(page_of(&committed, 3, 0), [3; 4096]);
+    live.close().unwrap();
+    let img = Image::open(&path, OpenOptions::read_only()).unwrap();
+    assert!(pcow::check::report(&img).is_clean());
 }

@@ -579,8 +579,10 @@ fn fresh_region(path: &Path, cs: u64, size: u64, pool: Pool) -> Res<Rig> {
     }
     if pool == Pool::Prefilled {
         let n = size / cs + 1;
-        img.set_pool_clusters(n);
-        img.fill_pool()?;
+        let mut live = pcow::LiveImage::new(img)?;
+        live.set_pool_clusters(n);
+        live.fill_pool()?;
+        img = live.into_image();
         opts.pool_clusters = Some(n);
     }
     let po = match pool {

@@ -37,7 +37,7 @@
 use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
-use pcow::{ClusterSource, Commit, Image};
+use pcow::{ClusterSource, Commit, LiveImage};
 
 use crate::clusters::{index_runs, push_run, ClusterState, FileRun};
 use crate::harvest::{merge_harvest, Harvest, Tracking};
@@ -140,7 +140,7 @@ pub struct BarrierStats {
 struct Parts<'a> {
     view: &'a mut View,
     tracking: &'a mut Tracking,
-    image: &'a mut Image,
+    image: &'a mut LiveImage,
 }
 
 fn parts(st: &mut RegionState) -> Result<Parts<'_>, NoImage> {

@@ -8,7 +8,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use pcow::Image;
+use pcow::{Image, LiveImage};
 
 use crate::clusters::Clusters;
 use crate::harvest::Tracking;
@@ -98,13 +98,14 @@ pub const DEFAULT_ZERO_BUDGET: u64 = 256 << 20;
 
 /// Builds the region of `image` (opened read-write) with its pool.
 pub(crate) fn build(
-    mut image: Image,
+    image: Image,
     opts: &RegionOptions,
     pool_opts: &PoolOptions,
 ) -> Result<RegionState, RegionError> {
     if !image.is_writable() {
         return Err(RegionError::ReadOnly);
     }
+    let mut image = LiveImage::new(image)?;
     // SAFETY: sysconf only reads its integer argument.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if page != PAGE_SIZE as libc::c_long {

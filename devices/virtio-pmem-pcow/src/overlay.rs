@@ -41,7 +41,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pcow::{BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, OpenOptions};
+use pcow::{BaseFormat, BaseRef, ClusterSource, CreateOptions, Image, LiveImage, OpenOptions};
 
 use crate::barrier::{barrier_locked, BarrierError, BarrierStats};
 use crate::clusters::{push_run, ClusterState, FileRun};
@@ -287,7 +287,7 @@ fn switch(st: &mut RegionState, plan: &OverlayPlan, runs: &[FileRun]) -> Result<
 
     // From here on, a failure reopens the old image.
     let mut created = false;
-    let mut new: Option<Image> = None;
+    let mut new: Option<LiveImage> = None;
     let mut remapped: Vec<FileRun> = Vec::new();
     let result = (|| {
         old.close()
@@ -313,6 +313,7 @@ fn switch(st: &mut RegionState, plan: &OverlayPlan, runs: &[FileRun]) -> Result<
                 }),
             },
         )
+        .and_then(LiveImage::new)
         .map_err(img_err(&plan.file, "creating the overlay"))?;
         let img = new.insert(img);
         st.pool.configure(img);
@@ -389,7 +390,7 @@ fn recover(
     plan: &OverlayPlan,
     cause: OverlayError,
     lock_handle: &File,
-    new: Option<Image>,
+    new: Option<LiveImage>,
     created: bool,
     remapped: &[FileRun],
 ) -> OverlayError {
@@ -425,19 +426,20 @@ fn recover(
             _ => {}
         }
     }
-    let mut img = match Image::open(&plan.base_path, OpenOptions::read_write()) {
-        Ok(img) => img,
-        Err(source) => {
-            let why = Failure::new(ReopenError {
-                path: plan.base_path.clone(),
-                cause: Failure::new(cause),
-                source,
-            });
-            log::error!("{}", error_chain(&why));
-            st.image = Writable::Detached(why.clone());
-            return OverlayError::Reopen(why);
-        }
-    };
+    let mut img =
+        match Image::open(&plan.base_path, OpenOptions::read_write()).and_then(LiveImage::new) {
+            Ok(img) => img,
+            Err(source) => {
+                let why = Failure::new(ReopenError {
+                    path: plan.base_path.clone(),
+                    cause: Failure::new(cause),
+                    source,
+                });
+                log::error!("{}", error_chain(&why));
+                st.image = Writable::Detached(why.clone());
+                return OverlayError::Reopen(why);
+            }
+        };
     st.pool.configure(&mut img);
     // Same file, same offsets: map shared again what was remapped. A range
     // that fails stays private over the same bytes (the barrier copies its

@@ -38,7 +38,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use pcow::Image;
+use pcow::LiveImage;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::health::Failure;
@@ -331,7 +331,7 @@ impl PoolCtl {
 
     /// Starts a worker on its own handle of `image`'s file (no-op without
     /// a worker, or when one runs).
-    pub(crate) fn start(&mut self, image: &Image) -> io::Result<()> {
+    pub(crate) fn start(&mut self, image: &LiveImage) -> io::Result<()> {
         let Some(efd) = self.efd.clone() else {
             return Ok(());
         };
@@ -354,7 +354,7 @@ impl PoolCtl {
 
     /// Stops and joins the worker (its file handle closes with it) and
     /// gives its last completions to `image`.
-    pub(crate) fn stop(&mut self, image: &mut Image) {
+    pub(crate) fn stop(&mut self, image: &mut LiveImage) {
         let Some(w) = self.worker.take() else {
             return;
         };
@@ -373,7 +373,7 @@ impl PoolCtl {
     }
 
     /// Gives finished refills to `image`; returns how many.
-    pub(crate) fn apply(&mut self, image: &mut Image) -> usize {
+    pub(crate) fn apply(&mut self, image: &mut LiveImage) -> usize {
         let Some(w) = &self.worker else {
             return 0;
         };
@@ -381,7 +381,7 @@ impl PoolCtl {
         self.take_done(done, image)
     }
 
-    fn take_done(&mut self, done: Vec<Done>, image: &mut Image) -> usize {
+    fn take_done(&mut self, done: Vec<Done>, image: &mut LiveImage) -> usize {
         let n = done.len();
         for d in done {
             self.in_flight = false;
@@ -417,7 +417,7 @@ impl PoolCtl {
 
     /// Asks the worker to refill when the pool is low and no request is in
     /// flight. Returns whether a request was made.
-    pub(crate) fn request(&mut self, image: &Image) -> bool {
+    pub(crate) fn request(&mut self, image: &LiveImage) -> bool {
         let Some(w) = &self.worker else {
             return false;
         };
@@ -450,7 +450,7 @@ impl PoolCtl {
     /// Sets `image`'s pool to this pool's size; when a worker refills it, a
     /// fault that finds the pool empty reserves little beyond its own
     /// cluster.
-    pub(crate) fn configure(&self, image: &mut Image) {
+    pub(crate) fn configure(&self, image: &mut LiveImage) {
         image.set_pool_clusters(self.pool_clusters);
         if self.efd.is_some() {
             image.set_inline_growth((INLINE_BYTES / self.cs).max(1));
@@ -472,7 +472,7 @@ impl PoolCtl {
         self.error.clone()
     }
 
-    pub(crate) fn status(&self, image: &Image) -> PoolStatus {
+    pub(crate) fn status(&self, image: &LiveImage) -> PoolStatus {
         let missing = image.pool_shortfall().map_or(0, |(_, len)| len / self.cs);
         PoolStatus {
             worker: self.worker.is_some(),

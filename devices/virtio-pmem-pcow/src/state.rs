@@ -9,7 +9,7 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Mutex, MutexGuard};
 
-use pcow::Image;
+use pcow::LiveImage;
 
 use crate::harvest::Tracking;
 use crate::health::Failure;
@@ -19,7 +19,7 @@ use crate::view::View;
 /// The image the guest writes into, or why there is none.
 pub(crate) enum Writable {
     /// The image, open read-write.
-    Open(Box<Image>),
+    Open(Box<LiveImage>),
     /// Closed by a live overlay in progress (which holds the state lock
     /// until it puts an image back or detaches).
     Switching,
@@ -96,7 +96,7 @@ impl Drop for RegionState {
 
 impl RegionState {
     /// The writable image.
-    pub(crate) fn image(&self) -> Result<&Image, NoImage> {
+    pub(crate) fn image(&self) -> Result<&LiveImage, NoImage> {
         match &self.image {
             Writable::Open(i) => Ok(i),
             Writable::Switching => Err(NoImage::Switching),
@@ -105,7 +105,7 @@ impl RegionState {
     }
 
     /// The writable image, mutably.
-    pub(crate) fn image_mut(&mut self) -> Result<&mut Image, NoImage> {
+    pub(crate) fn image_mut(&mut self) -> Result<&mut LiveImage, NoImage> {
         match &mut self.image {
             Writable::Open(i) => Ok(i),
             Writable::Switching => Err(NoImage::Switching),
@@ -115,7 +115,7 @@ impl RegionState {
 
     /// The image and the pool, both borrowed (the pool takes refills into
     /// the image), when there is an image.
-    pub(crate) fn image_and_pool(&mut self) -> Option<(&mut Image, &mut PoolCtl)> {
+    pub(crate) fn image_and_pool(&mut self) -> Option<(&mut LiveImage, &mut PoolCtl)> {
         match &mut self.image {
             Writable::Open(i) => Some((i, &mut self.pool)),
             _ => None,
@@ -141,7 +141,7 @@ impl RegionState {
 }
 
 /// The top file's fd of `image`.
-pub(crate) fn top_fd(image: &Image) -> io::Result<RawFd> {
+pub(crate) fn top_fd(image: &pcow::Image) -> io::Result<RawFd> {
     image
         .file()
         .map(|f| f.as_raw_fd())
