@@ -1,10 +1,23 @@
-//! The VMM thread's epoll loop: one thread owns the running machine and
-//! reacts to every event source of it.
+//! The VMM thread's epoll loop, and how a machine's work is split over
+//! threads.
+//!
+//! | thread | owns |
+//! |---|---|
+//! | the VMM thread (this loop, [`crate::vmm::Vmm::run`]) | the API, power events, signals, serial and console input, the entropy and console queues, pausing the guest when a device waits for space, stopping the machine |
+//! | `vcpuN` | `KVM_RUN` of one vCPU, its port I/O and MMIO exits ([`crate::vcpu`]) |
+//! | `pmemN-queue` | the queue of pmem device N (pcow or raw): a FLUSH runs its barrier there, holding the vCPUs ([`crate::pmem_threads`]) |
+//! | `pmemN-fault` | the userfaultfd and pool eventfd of pcow device N: maps a cluster, wakes the vCPU ([`virtio_pmem_pcow::MonitorThread`]) |
+//! | `http-api`, `http-conn` | accepting API connections, reading and answering requests; the requests go to this loop ([`crate::api`]) |
+//!
+//! A FLUSH on one device therefore never delays another device's faults
+//! or queue, and a vCPU blocked in a fault is released by its device's
+//! fault thread whatever this thread or a barrier is doing.
+//!
+//! What this loop reacts to:
 //!
 //! | source | action |
 //! |---|---|
-//! | a pmem device's userfaultfd and pool eventfd | the image monitor: map a cluster, wake the vCPU |
-//! | a queue notification (KVM ioeventfd) | serve the queue (a FLUSH is a barrier) |
+//! | the pmem alert eventfd (device threads) | a monitor failed: the VM fails; a device waits for space: pause |
 //! | the power eventfd (ACPI port, 0xcf9, i8042) | power off or reset |
 //! | the vCPU exit eventfd | a vCPU ended: triple fault (reset) or error |
 //! | the signalfd (SIGTERM, SIGINT) | clean exit |
@@ -14,14 +27,15 @@
 //! | the serial socket (`--serial socket=`) and its client | a new client replaces the old; its bytes for the serial port |
 //! | the API eventfd | return: the VMM serves the requests, then runs the loop again |
 //!
-//! After a fault or a queue was served, a device that found its file
-//! system full (a FLUSH waits in its queue, or a write fault got no
-//! cluster) ends the loop with [`Outcome::OutOfSpace`]: the VMM pauses the
-//! guest until `vm.resume` finds space (QEMU's `werror=enospc`).
+//! The registrations ([`EventLoop`]) are made once per boot and kept
+//! across API requests. A device that found its file system full (a FLUSH
+//! stalled in its queue, or a write fault that got no cluster) makes the
+//! loop end with [`Outcome::OutOfSpace`]: the VMM pauses the guest until
+//! `vm.resume` finds space (QEMU's `werror=enospc`).
 //!
-//! [`run`] returns why the machine should end; [`stop`] then stops the
-//! vCPUs (still serving the monitors, so that a vCPU blocked in a fault
-//! can leave) and runs the final barriers.
+//! [`EventLoop::run`] returns why the machine should end; [`stop`] then
+//! stops the vCPUs (the fault threads still serve, so that a vCPU blocked
+//! in a fault can leave), the device threads, and runs the final barriers.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
@@ -74,14 +88,8 @@ enum Token {
     Signal,
     Stdin,
     Api,
-    Notify {
-        dev: usize,
-        queue: u16,
-    },
-    Monitor {
-        dev: usize,
-        fd: RawFd,
-    },
+    /// The pmem device threads' eventfd ([`crate::pmem_threads`]).
+    PmemAlert,
     /// A queue of the entropy device or the console.
     Own {
         dev: Own,
@@ -277,22 +285,7 @@ fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Regis
             },
         )?;
     }
-    for (dev, p) in m.pmem.iter().enumerate() {
-        for (queue, fd) in p.notify.iter().enumerate() {
-            r.add(
-                fd.as_raw_fd(),
-                Token::Notify {
-                    dev,
-                    queue: queue as u16,
-                },
-            )?;
-        }
-        if let Some(mon) = &p.monitor {
-            for fd in mon.fds() {
-                r.add(fd, Token::Monitor { dev, fd })?;
-            }
-        }
-    }
+    r.add(m.alerts.fd(), Token::PmemAlert)?;
     Ok(r)
 }
 
@@ -323,34 +316,60 @@ fn deliver(m: &Machine, pending: &mut PendingInput, to: StdinOwner, bytes: &[u8]
     }
 }
 
-fn serve_monitor(m: &Machine, dev: usize, fd: RawFd) -> Result<(), String> {
-    let Some(mon) = m.pmem.get(dev).and_then(|p| p.monitor.as_ref()) else {
-        return Ok(());
-    };
-    mon.handle_fd(fd).map(|_| ()).map_err(|e| {
-        format!(
-            "pmem {}: image monitor: {}",
-            m.pmem[dev].id,
-            error_chain(&e)
-        )
-    })
+/// The VMM thread's loop over one booted machine: its registrations are
+/// made once, when the machine has started, and kept across API requests
+/// (and across pauses) until the machine is stopped.
+pub struct EventLoop {
+    reg: Registry,
+    events: Vec<EpollEvent>,
+    /// Serial input the guest's FIFO has not taken yet.
+    pending: PendingInput,
+    /// Standard input until EOF or an error.
+    stdin_open: bool,
 }
 
-/// Runs the machine until it should end, or until the API (its eventfd
-/// `api_fd`) has requests.
-pub fn run(
+impl EventLoop {
+    /// Registers every fd the VMM thread serves for `m` (see the module
+    /// docs), the API's eventfd `api_fd` among them.
+    pub fn new(
+        m: &Machine,
+        inputs: &Inputs,
+        api_fd: Option<RawFd>,
+    ) -> Result<EventLoop, ControlError> {
+        Ok(EventLoop {
+            reg: registry(m, inputs, api_fd)?,
+            events: vec![EpollEvent::default(); 32],
+            pending: PendingInput::default(),
+            stdin_open: true,
+        })
+    }
+
+    /// Runs the machine until it should end, or until the API has
+    /// requests. Events not handled yet when it returns stay pending (the
+    /// fds stay readable) for the next call.
+    pub fn run(&mut self, m: &mut Machine, inputs: &Inputs) -> Result<Outcome, ControlError> {
+        let EventLoop {
+            reg,
+            events,
+            pending,
+            stdin_open,
+        } = self;
+        run(reg, events, pending, stdin_open, m, inputs)
+    }
+}
+
+fn run(
+    reg: &mut Registry,
+    events: &mut [EpollEvent],
+    pending: &mut PendingInput,
+    stdin_open: &mut bool,
     m: &mut Machine,
     inputs: &Inputs,
-    api_fd: Option<RawFd>,
 ) -> Result<Outcome, ControlError> {
-    let mut reg = registry(m, inputs, api_fd)?;
-    let mut events = vec![EpollEvent::default(); 32];
-    let mut pending = PendingInput::default();
-    let mut stdin_open = true;
     loop {
         // Input the guest's FIFO could not take yet is retried shortly.
         let timeout = if pending.0.is_empty() { -1 } else { 10 };
-        let n = match reg.epoll.wait(timeout, &mut events) {
+        let n = match reg.epoll.wait(timeout, events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(source) => {
@@ -361,28 +380,20 @@ pub fn run(
             }
         };
         pending.feed(m);
-        let mut pmem_served = false;
         for ev in &events[..n] {
             let Some(&token) = reg.tokens.get(ev.data() as usize) else {
                 continue;
             };
             match token {
-                Token::Monitor { dev, fd } => {
-                    if let Err(e) = serve_monitor(m, dev, fd) {
-                        return Ok(Outcome::Failed(e));
+                Token::PmemAlert => {
+                    if let Some(f) = m.alerts.take() {
+                        return Ok(Outcome::Failed(error_chain(&f)));
                     }
-                    pmem_served = true;
-                }
-                Token::Notify { dev, queue } => {
-                    pmem_served = true;
-                    let p = &m.pmem[dev];
-                    if let Some(fd) = p.notify.get(usize::from(queue)) {
-                        let _ = fd.read();
+                    if m.pause_reason.is_none() {
+                        if let Some(why) = m.out_of_space() {
+                            return Ok(Outcome::OutOfSpace(why));
+                        }
                     }
-                    p.virtio
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .notify_queue(queue);
                 }
                 Token::Power => {
                     if let Some(e) = m.power.try_recv() {
@@ -445,13 +456,13 @@ pub fn run(
                             continue;
                         }
                         match sock.read_client(out, &mut buf) {
-                            Some(n) => deliver(m, &mut pending, to, &buf[..n]),
+                            Some(n) => deliver(m, pending, to, &buf[..n]),
                             None => reg.remove(fd),
                         }
                         continue;
                     }
                     match crate::chardev::read_fd(fd, &mut buf) {
-                        Ok(n) => deliver(m, &mut pending, to, &buf[..n]),
+                        Ok(n) => deliver(m, pending, to, &buf[..n]),
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Err(e) => {
@@ -468,7 +479,7 @@ pub fn run(
                     }
                 }
                 Token::Stdin => {
-                    let Some(fd) = inputs.stdin.filter(|_| stdin_open) else {
+                    let Some(fd) = inputs.stdin.filter(|_| *stdin_open) else {
                         continue;
                     };
                     let mut buf = [0u8; 256];
@@ -476,11 +487,11 @@ pub fn run(
                         Ok(0) => {
                             // EOF: the guest keeps running without input.
                             reg.remove(fd);
-                            stdin_open = false;
+                            *stdin_open = false;
                         }
                         Ok(k) => {
                             if let Some(to) = stdin_target(m) {
-                                deliver(m, &mut pending, to, &buf[..k]);
+                                deliver(m, pending, to, &buf[..k]);
                             }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -488,15 +499,10 @@ pub fn run(
                         Err(e) => {
                             log::warn!("standard input: {e}; input stops");
                             reg.remove(fd);
-                            stdin_open = false;
+                            *stdin_open = false;
                         }
                     }
                 }
-            }
-        }
-        if pmem_served && m.pause_reason.is_none() {
-            if let Some(why) = m.out_of_space() {
-                return Ok(Outcome::OutOfSpace(why));
             }
         }
     }
@@ -505,52 +511,36 @@ pub fn run(
 /// How long [`stop`] waits for the vCPUs to leave `KVM_RUN`.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Stops the vCPUs, serving the image monitors until every vCPU thread
-/// has ended (a vCPU blocked in a fault needs the monitor to leave), then
-/// runs the final barrier of every device. Returns how many barriers
-/// failed, or an error when the vCPUs did not stop in time.
-pub fn stop(m: &mut Machine) -> Result<usize, String> {
-    m.stop_vcpus();
-    let epoll = Epoll::new().map_err(|e| format!("epoll_create: {e}"))?;
-    let mut monitors = Vec::new();
-    for (dev, p) in m.pmem.iter().enumerate() {
-        if let Some(mon) = &p.monitor {
-            for fd in mon.fds() {
-                let data = monitors.len() as u64;
-                epoll
-                    .ctl(
-                        ControlOperation::Add,
-                        fd,
-                        EpollEvent::new(EventSet::IN, data),
-                    )
-                    .map_err(|e| format!("epoll_ctl: {e}"))?;
-                monitors.push((dev, fd));
-            }
-        }
-    }
+/// Why [`stop`] could not stop the machine cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum StopError {
+    /// A vCPU thread did not end (stuck in the kernel).
+    #[error("the vCPUs did not stop within {} s", STOP_TIMEOUT.as_secs())]
+    VcpusRunning,
+}
+
+/// Stops the machine: the vCPUs first (the pmem fault threads keep
+/// serving, so a vCPU blocked in a fault can leave), then the device
+/// threads (a FLUSH in progress completes), then runs the final barrier of
+/// every device on this thread. Returns how many barriers failed, or an
+/// error when the vCPUs did not stop in time (the device threads then stop
+/// when the machine drops).
+pub fn stop(m: &mut Machine) -> Result<usize, StopError> {
     let deadline = Instant::now() + STOP_TIMEOUT;
-    let mut events = vec![EpollEvent::default(); 8];
     while m.vcpus_running() {
         if Instant::now() > deadline {
-            return Err(format!(
-                "the vCPUs did not stop within {} s",
-                STOP_TIMEOUT.as_secs()
-            ));
+            return Err(StopError::VcpusRunning);
         }
+        // Again each round: a kick can land just before a vCPU enters
+        // KVM_RUN; the stop flag catches it at its next exit.
         m.stop_vcpus();
-        let n = epoll.wait(5, &mut events).unwrap_or(0);
-        for ev in &events[..n] {
-            if let Some(&(dev, fd)) = monitors.get(ev.data() as usize) {
-                if let Err(e) = serve_monitor(m, dev, fd) {
-                    log::error!("{e}");
-                }
-            }
-        }
+        std::thread::sleep(Duration::from_millis(2));
     }
     for r in m.reap_vcpus() {
         if let Err(e) = r {
-            log::warn!("{e}");
+            log::warn!("{}", error_chain(&e));
         }
     }
+    m.stop_device_threads();
     Ok(m.final_barriers())
 }

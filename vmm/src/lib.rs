@@ -50,6 +50,7 @@ pub mod irq;
 pub mod legacy;
 pub mod machine;
 pub mod pci;
+pub mod pmem_threads;
 pub mod testguest;
 pub mod vcpu;
 pub mod vm;

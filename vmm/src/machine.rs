@@ -44,6 +44,7 @@ use crate::pci::{
     BarMove, ConsoleDevice, ConsoleInput, Mmio64Window, PciBus, PciConfigIo, PmemVirtio, RngDevice,
     VirtioDevice, VirtioPciDevice,
 };
+use crate::pmem_threads::{DeviceAlerts, PmemThreads};
 use crate::vcpu::{self, MmioBus, Vcpu, VcpuControl, VcpuThread};
 use crate::vm::{Memslot, Vm};
 
@@ -171,6 +172,12 @@ pub enum MachineError {
     Power(#[source] crate::legacy::power::PowerError),
     #[error("creating an eventfd")]
     EventFd(#[source] std::io::Error),
+    #[error("pmem device {id}: starting its threads")]
+    DeviceThreads {
+        id: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("raising the power button interrupt (GSI {})", acpi::GED_GSI)]
     PowerButton(#[source] std::io::Error),
 }
@@ -241,8 +248,9 @@ impl FlushBackend for PmemBackend {
 
 /// One pmem device of a machine.
 pub struct Pmem {
-    // Field order is drop order: the memslot goes before the region it
-    // points at can be unmapped.
+    // Field order is drop order: the device's threads stop first, then
+    // the memslot goes before the region it points at can be unmapped.
+    threads: Option<PmemThreads>,
     slot: Memslot,
     /// The device id.
     pub id: String,
@@ -252,12 +260,13 @@ pub struct Pmem {
     pub format: PmemFormat,
     /// The virtio-pci function.
     pub virtio: Arc<Mutex<VirtioPciDevice>>,
-    /// The userfaultfd monitor (pcow only), served by the control loop.
+    /// The userfaultfd monitor (pcow only), served by the device's
+    /// `pmemN-fault` thread once the machine started.
     pub monitor: Option<Arc<Monitor>>,
     /// The region.
     pub backend: PmemBackend,
-    /// Queue notification eventfds (one per queue), as the control loop
-    /// polls them.
+    /// Queue notification eventfds (one per queue), until
+    /// [`Machine::start`] hands them to the device's `pmemN-queue` thread.
     pub notify: Vec<EventFd>,
     /// The PCI address, `0000:00:DD.F`.
     pub bdf: String,
@@ -499,6 +508,9 @@ pub struct Machine {
     pub power: PowerEventReceiver,
     /// Written by each vCPU thread when its run ends.
     pub vcpu_exit: Arc<EventFd>,
+    /// The pmem device threads' reports (a monitor failed, a device waits
+    /// for space), polled by the control loop.
+    pub alerts: Arc<DeviceAlerts>,
     /// Pause/resume of the vCPUs (the pmem barriers hold them through it).
     pub ctl: Arc<VcpuControl>,
     /// Why the VMM paused the guest by itself (a pmem device found its
@@ -714,6 +726,7 @@ impl Machine {
                 slot.len() >> 20
             );
             devices.push(Pmem {
+                threads: None,
                 slot,
                 id: p.id.clone(),
                 file: p.file.clone(),
@@ -798,6 +811,7 @@ impl Machine {
             serial,
             power,
             vcpu_exit: Arc::new(EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?),
+            alerts: Arc::new(DeviceAlerts::new().map_err(MachineError::EventFd)?),
             ctl,
             pause_reason: None,
             ged,
@@ -853,8 +867,25 @@ impl Machine {
         tree
     }
 
-    /// Starts every vCPU on its own thread.
+    /// Starts the threads of every pmem device (`pmemN-fault` for a pcow
+    /// image's monitor, `pmemN-queue` for its queue), then every vCPU on
+    /// its own thread.
     pub fn start(&mut self) -> Result<(), MachineError> {
+        for (index, p) in self.pmem.iter_mut().enumerate() {
+            let threads = PmemThreads::spawn(
+                index,
+                &p.id,
+                p.virtio.clone(),
+                std::mem::take(&mut p.notify),
+                p.monitor.clone(),
+                &self.alerts,
+            )
+            .map_err(|source| MachineError::DeviceThreads {
+                id: p.id.clone(),
+                source,
+            })?;
+            p.threads = Some(threads);
+        }
         for v in self.vcpus.drain(..) {
             let t = vcpu::spawn_notifying(
                 v,
@@ -904,6 +935,15 @@ impl Machine {
     /// Asks every vCPU to stop (they leave `KVM_RUN` at the kick).
     pub fn stop_vcpus(&self) {
         self.ctl.stop();
+    }
+
+    /// Stops and joins the threads of every pmem device: each queue
+    /// thread, then its fault thread. Call once the vCPUs have stopped (a
+    /// vCPU in a fault needs the fault thread to leave it).
+    pub fn stop_device_threads(&mut self) {
+        for p in &mut self.pmem {
+            p.threads = None;
+        }
     }
 
     /// Presses the ACPI power button: raises the Generic Event Device's

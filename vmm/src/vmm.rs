@@ -64,6 +64,8 @@ struct Vm {
     config: VmConfig,
     state: VmState,
     machine: Option<Machine>,
+    /// The control loop of the machine, registered once per boot.
+    events: Option<control::EventLoop>,
     boots: u64,
     /// The serial port's and console's backends, opened at the first boot
     /// and kept across reboots (a pty keeps its path).
@@ -207,6 +209,7 @@ impl Vmm {
             config,
             state: VmState::Created,
             machine: None,
+            events: None,
             boots: 0,
             chardevs: None,
         });
@@ -259,7 +262,8 @@ impl Vmm {
             return Ok(());
         };
         vm.state = VmState::Created;
-        let failed = control::stop(&mut m)?;
+        vm.events = None;
+        let failed = control::stop(&mut m).map_err(|e| e.to_string())?;
         drop(m);
         event("vm", "shutdown", &[]);
         if failed > 0 {
@@ -280,12 +284,23 @@ impl Vmm {
                 return exit;
             }
             let api_fd = self.api.as_ref().map(|a| a.evt.as_raw_fd());
-            let outcome = match self.vm.as_mut().and_then(|v| v.machine.as_mut()) {
-                Some(m) => match control::run(m, &self.inputs, api_fd) {
-                    Ok(o) => o,
-                    Err(e) => Outcome::Failed(control::error_chain(&e)),
-                },
-                None => match self.wait_idle(api_fd) {
+            let outcome = match self.vm.as_mut() {
+                Some(Vm {
+                    machine: Some(m),
+                    events,
+                    ..
+                }) => {
+                    let events = match events {
+                        Some(l) => Ok(l),
+                        None => control::EventLoop::new(m, &self.inputs, api_fd)
+                            .map(|l| events.insert(l)),
+                    };
+                    match events.and_then(|l| l.run(m, &self.inputs)) {
+                        Ok(o) => o,
+                        Err(e) => Outcome::Failed(control::error_chain(&e)),
+                    }
+                }
+                _ => match self.wait_idle(api_fd) {
                     Ok(o) => o,
                     Err(e) => Outcome::Failed(e),
                 },
