@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::chardev::{Backend, StdinOwner};
+use crate::health::OutOfSpace;
 use crate::legacy::power::PowerEvent;
 use crate::machine::{Machine, VirtioFn};
 use crate::vcpu::VcpuStop;
@@ -53,7 +54,7 @@ use crate::vcpu::VcpuStop;
 pub use pcow::check::error_chain;
 
 /// Why the control loop ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Outcome {
     /// The guest powered off.
     PowerOff,
@@ -66,7 +67,7 @@ pub enum Outcome {
     /// The API has requests queued (the machine keeps running).
     Api,
     /// A pmem device waits for free space: pause the guest.
-    OutOfSpace(String),
+    OutOfSpace(OutOfSpace),
 }
 
 /// Errors of the loop's own machinery.

@@ -46,6 +46,7 @@ pub mod control;
 pub mod cpu;
 pub mod device_tree;
 pub mod event_monitor;
+pub mod health;
 pub mod irq;
 pub mod legacy;
 pub mod machine;
@@ -55,6 +56,7 @@ pub mod testguest;
 pub mod vcpu;
 pub mod vm;
 pub mod vmm;
+pub mod vmm_error;
 mod x86;
 
 pub use vcpu::{MmioBus, PortIo, Vcpu, VcpuControl, VcpuError, VcpuStats, VcpuStop, VcpuThread};

@@ -35,6 +35,7 @@ use crate::chardev::{Backend, Chardevs};
 use crate::config::{PmemFormat, ValidatedPmem, VmConfig};
 use crate::cpu;
 use crate::device_tree::{self, DeviceTree, Resource};
+use crate::health::OutOfSpace;
 use crate::irq::{self, GsiRouter, MsixIrqs};
 use crate::legacy::ports::PortBusBuilder;
 use crate::legacy::power::{power_channel, PowerDevice, PowerEventReceiver};
@@ -301,19 +302,28 @@ impl Pmem {
 
     /// Why the guest must wait for free space on this device, if it must:
     /// a FLUSH stalled in the queue, or a write fault that got no cluster.
-    pub fn out_of_space(&self) -> Option<String> {
+    pub fn out_of_space(&self) -> Option<OutOfSpace> {
         let stalled = self
             .virtio
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .stalled();
         if let Some(why) = stalled {
-            return Some(format!("pmem {}: flush: {why}", self.id));
+            return Some(OutOfSpace::Flush {
+                id: self.id.clone(),
+                why,
+            });
         }
         let region = self.pcow()?;
         match region.out_of_space() {
-            Ok(why) => why.map(|w| format!("pmem {}: {w}", self.id)),
-            Err(e) => Some(format!("pmem {}: {e}", self.id)),
+            Ok(why) => why.map(|why| OutOfSpace::Fault {
+                id: self.id.clone(),
+                why,
+            }),
+            Err(error) => Some(OutOfSpace::Unknown {
+                id: self.id.clone(),
+                error,
+            }),
         }
     }
 
@@ -321,14 +331,17 @@ impl Pmem {
     /// the file system was full into the image, then a stalled FLUSH is
     /// retried and answered. Fails (and changes nothing the guest sees)
     /// while there is still no space. Call with the vCPUs held.
-    pub fn retry_out_of_space(&self) -> Result<(), String> {
+    pub fn retry_out_of_space(&self) -> Result<(), OutOfSpace> {
         let mut v = self.virtio.lock().unwrap_or_else(|e| e.into_inner());
         if v.stalled().is_some() {
             // The waiting FLUSH's own barrier moves everything; it stalls
             // again while there is still no space.
             v.unstall();
             return match v.stalled() {
-                Some(why) => Err(format!("pmem {}: flush: {why}", self.id)),
+                Some(why) => Err(OutOfSpace::Flush {
+                    id: self.id.clone(),
+                    why,
+                }),
                 None => Ok(()),
             };
         }
@@ -337,12 +350,11 @@ impl Pmem {
             .pcow()
             .is_some_and(|r| !matches!(r.out_of_space(), Ok(None)));
         if waiting {
-            if let Some(Err(e)) = self.barrier() {
-                return Err(format!(
-                    "pmem {}: {}",
-                    self.id,
-                    crate::control::error_chain(&e)
-                ));
+            if let Some(Err(error)) = self.barrier() {
+                return Err(OutOfSpace::Barrier {
+                    id: self.id.clone(),
+                    error,
+                });
             }
         }
         Ok(())
@@ -514,8 +526,9 @@ pub struct Machine {
     /// Pause/resume of the vCPUs (the pmem barriers hold them through it).
     pub ctl: Arc<VcpuControl>,
     /// Why the VMM paused the guest by itself (a pmem device found its
-    /// file system full), until `vm.resume` finds space again.
-    pub pause_reason: Option<String>,
+    /// file system full: the only reason it does), until `vm.resume`
+    /// finds space again.
+    pub pause_reason: Option<OutOfSpace>,
     /// The ACPI Generic Event Device's interrupt (an irqfd on
     /// [`acpi::GED_GSI`]): the power button.
     ged: EventFd,
@@ -963,7 +976,7 @@ impl Machine {
     }
 
     /// The first device that waits for free space, and why.
-    pub fn out_of_space(&self) -> Option<String> {
+    pub fn out_of_space(&self) -> Option<OutOfSpace> {
         self.pmem.iter().find_map(Pmem::out_of_space)
     }
 
