@@ -9,10 +9,14 @@
 //!
 //! [`Machine::build`] does everything that can fail before any guest code
 //! runs, so a bad kernel, a bad image or a busy lock is an error before
-//! the guest starts. [`Machine::start`] spawns the vCPU threads; the
-//! control loop ([`crate::control`]) then owns the machine and ends it
-//! with [`Machine::shutdown`], which stops the vCPUs and runs the final
-//! barrier on every device.
+//! the guest starts. [`Machine::start`] spawns each pmem device's threads
+//! (its fault thread for a pcow image, its queue thread:
+//! [`crate::pmem_threads`]), then the vCPU threads; the VMM thread's
+//! control loop ([`crate::control`]) then serves the machine, and
+//! [`crate::control::stop`] ends it: the vCPUs
+//! ([`Machine::stop_vcpus`]), the device threads
+//! ([`Machine::stop_device_threads`]), then the final barrier of every
+//! device ([`Machine::final_barriers`]).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};

@@ -10,15 +10,19 @@
 //! | `Paused` | built, vCPUs held | `vm.pause` |
 //!
 //! As upstream, a VM that was shut down is `Created` again (it may boot
-//! again), and the answers are upstream's: an action in the wrong state is
+//! again), and the answers are upstream's (status codes chosen in
+//! [`crate::api::errors`]): an action in the wrong state is
 //! 500 (`["Error from API", what failed, why]`), `vm.info`, `vm.boot`,
 //! `vm.reboot` and the `add-*` actions without a VM are 404, `vm.pause`,
 //! `vm.resume`, `vm.shutdown`, `vm.counters`, `vm.power-button` and
 //! `vm.nmi` without a running VM are 500, `vm.delete` without a VM is 204.
 //!
 //! The VMM thread runs [`Vmm::run`]: while a machine exists it is the
-//! control loop ([`crate::control`]), which also returns when the API has
-//! requests; otherwise it waits for the API or a signal. Guest power-off
+//! control loop ([`crate::control::EventLoop`], registered once per boot
+//! and kept across requests), which also returns when the API has
+//! requests; otherwise it waits for the API or a signal. Every action
+//! fails with a [`VmmError`]; the API layer ([`crate::api::errors`])
+//! alone turns it into upstream's status and error chain. Guest power-off
 //! and SIGTERM/SIGINT end the VMM (exit code 0) after the final barriers,
 //! as upstream ends on them; `vmm.shutdown` too.
 
