@@ -187,7 +187,14 @@ impl Vmm {
             }
         };
         let mut m = Machine::build(&vm.config, &pmem, &chardevs).map_err(VmmError::Build)?;
-        m.start().map_err(VmmError::Start)?;
+        if let Err(e) = m.start() {
+            // What started (device threads, vCPUs) stops before the
+            // machine goes.
+            if let Err(s) = control::stop(&mut m) {
+                log::error!("stopping a machine that did not start: {}", error_chain(&s));
+            }
+            return Err(VmmError::Start(e));
+        }
         vm.boots += 1;
         log::info!("guest started (boot {})", vm.boots);
         vm.machine = Some(m);
