@@ -47,7 +47,8 @@ use crate::chardev::{Backend, StdinOwner};
 use crate::health::OutOfSpace;
 use crate::legacy::power::PowerEvent;
 use crate::machine::{Machine, VirtioFn};
-use crate::vcpu::VcpuStop;
+use crate::pmem_threads::MonitorFailed;
+use crate::vcpu::{VcpuError, VcpuStop};
 
 /// An error and its sources on one line (the wording of every error the
 /// VMM reports).
@@ -62,12 +63,29 @@ pub enum Outcome {
     Reset,
     /// SIGTERM or SIGINT.
     Signal(i32),
-    /// Something failed (a vCPU, the monitor): the message says what.
-    Failed(String),
+    /// Something failed (a vCPU, a monitor, the loop itself).
+    Failed(VmFailure),
     /// The API has requests queued (the machine keeps running).
     Api,
     /// A pmem device waits for free space: pause the guest.
     OutOfSpace(OutOfSpace),
+}
+
+/// Why a running VM failed (the VMM then ends, exit code 1).
+#[derive(Debug, thiserror::Error)]
+pub enum VmFailure {
+    /// A pcow device's monitor failed: a vCPU may be stuck in a fault.
+    #[error(transparent)]
+    Monitor(#[from] MonitorFailed),
+    /// A vCPU's run failed.
+    #[error(transparent)]
+    Vcpu(VcpuError),
+    /// Every vCPU ended (halted) with nothing else to end the VM.
+    #[error("every vCPU has ended")]
+    VcpusEnded,
+    /// The VMM thread's loop itself failed.
+    #[error(transparent)]
+    Loop(#[from] ControlError),
 }
 
 /// Errors of the loop's own machinery.
@@ -388,7 +406,7 @@ fn run(
             match token {
                 Token::PmemAlert => {
                     if let Some(f) = m.alerts.take() {
-                        return Ok(Outcome::Failed(error_chain(&f)));
+                        return Ok(Outcome::Failed(f.into()));
                     }
                     if m.pause_reason.is_none() {
                         if let Some(why) = m.out_of_space() {
@@ -415,11 +433,11 @@ fn run(
                             Ok((stop, stats)) => {
                                 log::info!("a vCPU ended: {stop:?} ({stats:?})");
                             }
-                            Err(e) => return Ok(Outcome::Failed(error_chain(&e))),
+                            Err(e) => return Ok(Outcome::Failed(VmFailure::Vcpu(e))),
                         }
                     }
                     if !m.vcpus_running() {
-                        return Ok(Outcome::Failed("every vCPU has ended".into()));
+                        return Ok(Outcome::Failed(VmFailure::VcpusEnded));
                     }
                 }
                 Token::Own { dev, queue } => {

@@ -11,7 +11,7 @@
 
 use virtio_pmem_pcow::BarrierError;
 
-use crate::control::error_chain;
+use pcow::check::error_chain;
 
 /// Why a pmem device waits for free space. Displayed as the VMM has
 /// always reported it (`vm.info`'s `pause_reason`, `vm.pmem-info`'s

@@ -49,11 +49,13 @@ pub struct MonitorFailed {
 }
 
 /// The device threads' reports to the VMM thread: an eventfd its control
-/// loop polls, and the failures waiting to be taken.
+/// loop polls, and the first failure not taken yet (the VM fails on it;
+/// later ones are logged only, so a monitor failing at every fault cannot
+/// grow memory or flood the log).
 #[derive(Debug)]
 pub struct DeviceAlerts {
     evt: EventFd,
-    failures: Mutex<Vec<MonitorFailed>>,
+    failure: Mutex<Option<MonitorFailed>>,
 }
 
 impl DeviceAlerts {
@@ -61,7 +63,7 @@ impl DeviceAlerts {
     pub fn new() -> io::Result<DeviceAlerts> {
         Ok(DeviceAlerts {
             evt: EventFd::new(EFD_NONBLOCK)?,
-            failures: Mutex::new(Vec::new()),
+            failure: Mutex::new(None),
         })
     }
 
@@ -75,13 +77,17 @@ impl DeviceAlerts {
         self.wake();
     }
 
-    /// Records a monitor failure and wakes the VMM thread.
+    /// Records a monitor failure (unless one waits already) and wakes the
+    /// VMM thread.
     pub fn failed(&self, failure: MonitorFailed) {
-        log::error!("{}", crate::control::error_chain(&failure));
-        self.failures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(failure);
+        let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if f.is_none() {
+            log::error!("{}", crate::control::error_chain(&failure));
+            *f = Some(failure);
+        } else {
+            log::debug!("{}", crate::control::error_chain(&failure));
+        }
+        drop(f);
         self.wake();
     }
 
@@ -91,12 +97,14 @@ impl DeviceAlerts {
         }
     }
 
-    /// Clears the eventfd (after it was readable) and takes the first
-    /// failure recorded, if any.
+    /// Clears the eventfd (after it was readable) and takes the failure
+    /// recorded, if any.
     pub fn take(&self) -> Option<MonitorFailed> {
         let _ = self.evt.read();
-        let mut f = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        (!f.is_empty()).then(|| f.remove(0))
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 }
 
@@ -259,5 +267,48 @@ impl PmemThreads {
             _queue: queue,
             _fault: fault,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn readable(fd: std::os::fd::RawFd) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `p` is a valid pollfd for the call.
+        unsafe { libc::poll(&mut p, 1, 0) > 0 }
+    }
+
+    fn failure(id: &str) -> MonitorFailed {
+        MonitorFailed {
+            id: id.into(),
+            source: MonitorError::Poisoned,
+        }
+    }
+
+    #[test]
+    fn alerts_wake_the_vmm_thread_and_keep_the_first_failure_only() {
+        let a = DeviceAlerts::new().unwrap();
+        assert!(!readable(a.fd()));
+        a.space();
+        assert!(readable(a.fd()));
+        assert!(a.take().is_none(), "space is not a failure");
+        assert!(!readable(a.fd()), "take clears the eventfd");
+        a.failed(failure("pmem0"));
+        a.failed(failure("pmem1"));
+        assert!(readable(a.fd()));
+        let f = a.take().expect("a failure");
+        assert_eq!(f.id, "pmem0");
+        assert!(
+            crate::control::error_chain(&f).starts_with("pmem pmem0: image monitor: "),
+            "{}",
+            crate::control::error_chain(&f)
+        );
+        assert!(a.take().is_none(), "later failures are logged only");
     }
 }

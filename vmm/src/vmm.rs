@@ -246,12 +246,15 @@ impl Vmm {
                     };
                     match events.and_then(|l| l.run(m, &self.inputs)) {
                         Ok(o) => o,
-                        Err(e) => Outcome::Failed(control::error_chain(&e)),
+                        Err(e) => Outcome::Failed(e.into()),
                     }
                 }
                 _ => match self.wait_idle(api_fd) {
                     Ok(o) => o,
-                    Err(e) => Outcome::Failed(e),
+                    Err(e) => {
+                        self.exit = Some(VmmExit::Failed(e));
+                        continue;
+                    }
                 },
             };
             match outcome {
@@ -269,7 +272,7 @@ impl Vmm {
                     }
                 }
                 Outcome::OutOfSpace(why) => self.pause_for_space(why),
-                Outcome::Failed(msg) => self.exit = Some(VmmExit::Failed(msg)),
+                Outcome::Failed(e) => self.exit = Some(VmmExit::Failed(error_chain(&e))),
             }
         }
     }
