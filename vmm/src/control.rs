@@ -139,34 +139,68 @@ impl Own {
     }
 }
 
-/// The loop's registrations.
+/// The loop's registrations. They live as long as the machine's loop, so
+/// the slot of an input that went away (a serial socket client replaced)
+/// is reused by a later one, but not within the batch of events that
+/// removed it (an event of the old fd in the same batch must find no
+/// token, not the new one).
 struct Registry {
     epoll: Epoll,
-    tokens: Vec<Token>,
+    /// By the registration's data; `None`: a removed input.
+    tokens: Vec<Option<Token>>,
+    /// Slots removed during the current batch of events.
+    retired: Vec<usize>,
+    /// Slots free for the next registration.
+    free: Vec<usize>,
 }
 
 impl Registry {
     fn add(&mut self, fd: RawFd, token: Token) -> Result<(), ControlError> {
+        let slot = self.free.pop().unwrap_or(self.tokens.len());
         self.epoll
             .ctl(
                 ControlOperation::Add,
                 fd,
-                EpollEvent::new(EventSet::IN, self.tokens.len() as u64),
+                EpollEvent::new(EventSet::IN, slot as u64),
             )
             .map_err(|source| ControlError::Epoll {
                 what: "registering an fd",
                 source,
             })?;
-        self.tokens.push(token);
+        match self.tokens.get_mut(slot) {
+            Some(t) => *t = Some(token),
+            None => self.tokens.push(Some(token)),
+        }
         Ok(())
     }
 
-    fn remove(&self, fd: RawFd) {
+    /// Before the next wait: the slots removed meanwhile may be reused.
+    fn next_batch(&mut self) {
+        self.free.append(&mut self.retired);
+    }
+
+    /// The token registered with `data`.
+    fn token(&self, data: u64) -> Option<Token> {
+        self.tokens
+            .get(usize::try_from(data).ok()?)
+            .copied()
+            .flatten()
+    }
+
+    /// Removes `fd` (an input: a pty, a socket client, standard input).
+    fn remove(&mut self, fd: RawFd) {
         if let Err(e) = self
             .epoll
             .ctl(ControlOperation::Delete, fd, EpollEvent::default())
         {
             log::warn!("epoll: removing fd {fd}: {e}");
+        }
+        // An event already read for it finds no token.
+        for (slot, t) in self.tokens.iter_mut().enumerate() {
+            if matches!(t, Some(Token::Input { fd: f, .. }) if *f == fd) {
+                *t = None;
+                self.retired.push(slot);
+            }
         }
     }
 }
@@ -247,6 +281,8 @@ fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Regis
     let mut r = Registry {
         epoll,
         tokens: Vec::new(),
+        retired: Vec::new(),
+        free: Vec::new(),
     };
     use std::os::fd::AsRawFd;
     r.add(m.power.as_raw_fd(), Token::Power)?;
@@ -388,6 +424,7 @@ fn run(
     loop {
         // Input the guest's FIFO could not take yet is retried shortly.
         let timeout = if pending.0.is_empty() { -1 } else { 10 };
+        reg.next_batch();
         let n = match reg.epoll.wait(timeout, events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -400,7 +437,7 @@ fn run(
         };
         pending.feed(m);
         for ev in &events[..n] {
-            let Some(&token) = reg.tokens.get(ev.data() as usize) else {
+            let Some(token) = reg.token(ev.data()) else {
                 continue;
             };
             match token {
@@ -562,4 +599,48 @@ pub fn stop(m: &mut Machine) -> Result<usize, StopError> {
     }
     m.stop_device_threads();
     Ok(m.final_barriers())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use vmm_sys_util::eventfd::EventFd;
+
+    fn input(fd: RawFd) -> Token {
+        Token::Input {
+            to: StdinOwner::Serial,
+            fd,
+        }
+    }
+
+    #[test]
+    fn a_removed_input_finds_no_token_in_its_batch_and_its_slot_is_reused_after() {
+        let mut reg = Registry {
+            epoll: Epoll::new().unwrap(),
+            tokens: Vec::new(),
+            retired: Vec::new(),
+            free: Vec::new(),
+        };
+        let (a, b, c) = (
+            EventFd::new(0).unwrap(),
+            EventFd::new(0).unwrap(),
+            EventFd::new(0).unwrap(),
+        );
+        reg.add(a.as_raw_fd(), Token::Api).unwrap();
+        reg.add(b.as_raw_fd(), input(b.as_raw_fd())).unwrap();
+        reg.remove(b.as_raw_fd());
+        assert!(reg.token(1).is_none(), "removed");
+        // Same batch: a new input gets a new slot.
+        reg.add(c.as_raw_fd(), input(c.as_raw_fd())).unwrap();
+        assert!(matches!(reg.token(2), Some(Token::Input { fd, .. }) if fd == c.as_raw_fd()));
+        assert!(reg.token(1).is_none());
+        // Next batch: the removed slot is reused.
+        reg.remove(c.as_raw_fd());
+        reg.next_batch();
+        reg.add(b.as_raw_fd(), input(b.as_raw_fd())).unwrap();
+        assert_eq!(reg.tokens.len(), 3, "no growth");
+        assert!(matches!(reg.token(0), Some(Token::Api)));
+        assert!(reg.token(99).is_none());
+    }
 }
