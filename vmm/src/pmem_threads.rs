@@ -12,8 +12,11 @@
 //!   thread's work.
 //! - `pmemN-fault` (pcow devices only): the device crate's
 //!   [`MonitorThread`], which serves the image's userfaultfd and its pool
-//!   eventfd. A vCPU blocked in a fault is released there whatever a
-//!   barrier, the API or another device is doing.
+//!   eventfd. A vCPU blocked in a fault is released there whatever the
+//!   VMM thread, the API or another device is doing, and while a barrier
+//!   of its own device waits for the vCPUs to stop (a fault that needs
+//!   the image may wait for that device's own region lock: the device
+//!   crate's lock order).
 //!
 //! Both report to the VMM thread through one eventfd per machine
 //! ([`DeviceAlerts`]): a monitor that failed (the VM fails), and a device
