@@ -1,10 +1,23 @@
-//! The VMM thread's epoll loop: one thread owns the running machine and
-//! reacts to every event source of it.
+//! The VMM thread's epoll loop, and how a machine's work is split over
+//! threads.
+//!
+//! | thread | owns |
+//! |---|---|
+//! | the VMM thread (this loop, [`crate::vmm::Vmm::run`]) | the API, power events, signals, serial and console input, the entropy and console queues, pausing the guest when a device waits for space, stopping the machine |
+//! | `vcpuN` | `KVM_RUN` of one vCPU, its port I/O and MMIO exits ([`crate::vcpu`]) |
+//! | `pmemN-queue` | the queue of pmem device N (pcow or raw): a FLUSH runs its barrier there, holding the vCPUs ([`crate::pmem_threads`]) |
+//! | `pmemN-fault` | the userfaultfd and pool eventfd of pcow device N: maps a cluster, wakes the vCPU ([`virtio_pmem_pcow::MonitorThread`]) |
+//! | `http-api`, `http-conn` | accepting API connections, reading and answering requests; the requests go to this loop ([`crate::api`]) |
+//!
+//! A FLUSH on one device therefore never delays another device's faults
+//! or queue, and a vCPU blocked in a fault is released by its device's
+//! fault thread whatever this thread or a barrier is doing.
+//!
+//! What this loop reacts to:
 //!
 //! | source | action |
 //! |---|---|
-//! | a pmem device's userfaultfd and pool eventfd | the image monitor: map a cluster, wake the vCPU |
-//! | a queue notification (KVM ioeventfd) | serve the queue (a FLUSH is a barrier) |
+//! | the pmem alert eventfd (device threads) | a monitor failed: the VM fails; a device waits for space: pause |
 //! | the power eventfd (ACPI port, 0xcf9, i8042) | power off or reset |
 //! | the vCPU exit eventfd | a vCPU ended: triple fault (reset) or error |
 //! | the signalfd (SIGTERM, SIGINT) | clean exit |
@@ -14,14 +27,15 @@
 //! | the serial socket (`--serial socket=`) and its client | a new client replaces the old; its bytes for the serial port |
 //! | the API eventfd | return: the VMM serves the requests, then runs the loop again |
 //!
-//! After a fault or a queue was served, a device that found its file
-//! system full (a FLUSH waits in its queue, or a write fault got no
-//! cluster) ends the loop with [`Outcome::OutOfSpace`]: the VMM pauses the
-//! guest until `vm.resume` finds space (QEMU's `werror=enospc`).
+//! The registrations ([`EventLoop`]) are made once per boot and kept
+//! across API requests. A device that found its file system full (a FLUSH
+//! stalled in its queue, or a write fault that got no cluster) makes the
+//! loop end with [`Outcome::OutOfSpace`]: the VMM pauses the guest until
+//! `vm.resume` finds space (QEMU's `werror=enospc`).
 //!
-//! [`run`] returns why the machine should end; [`stop`] then stops the
-//! vCPUs (still serving the monitors, so that a vCPU blocked in a fault
-//! can leave) and runs the final barriers.
+//! [`EventLoop::run`] returns why the machine should end; [`stop`] then
+//! stops the vCPUs (the fault threads still serve, so that a vCPU blocked
+//! in a fault can leave), the device threads, and runs the final barriers.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
@@ -30,16 +44,18 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::chardev::{Backend, StdinOwner};
+use crate::health::OutOfSpace;
 use crate::legacy::power::PowerEvent;
 use crate::machine::{Machine, VirtioFn};
-use crate::vcpu::VcpuStop;
+use crate::pmem_threads::MonitorFailed;
+use crate::vcpu::{VcpuError, VcpuStop};
 
 /// An error and its sources on one line (the wording of every error the
 /// VMM reports).
 pub use pcow::check::error_chain;
 
 /// Why the control loop ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Outcome {
     /// The guest powered off.
     PowerOff,
@@ -47,12 +63,29 @@ pub enum Outcome {
     Reset,
     /// SIGTERM or SIGINT.
     Signal(i32),
-    /// Something failed (a vCPU, the monitor): the message says what.
-    Failed(String),
+    /// Something failed (a vCPU, a monitor, the loop itself).
+    Failed(VmFailure),
     /// The API has requests queued (the machine keeps running).
     Api,
     /// A pmem device waits for free space: pause the guest.
-    OutOfSpace(String),
+    OutOfSpace(OutOfSpace),
+}
+
+/// Why a running VM failed (the VMM then ends, exit code 1).
+#[derive(Debug, thiserror::Error)]
+pub enum VmFailure {
+    /// A pcow device's monitor failed: a vCPU may be stuck in a fault.
+    #[error(transparent)]
+    Monitor(#[from] MonitorFailed),
+    /// A vCPU's run failed.
+    #[error(transparent)]
+    Vcpu(VcpuError),
+    /// Every vCPU ended (halted) with nothing else to end the VM.
+    #[error("every vCPU has ended")]
+    VcpusEnded,
+    /// The VMM thread's loop itself failed.
+    #[error(transparent)]
+    Loop(#[from] ControlError),
 }
 
 /// Errors of the loop's own machinery.
@@ -74,14 +107,8 @@ enum Token {
     Signal,
     Stdin,
     Api,
-    Notify {
-        dev: usize,
-        queue: u16,
-    },
-    Monitor {
-        dev: usize,
-        fd: RawFd,
-    },
+    /// The pmem device threads' eventfd ([`crate::pmem_threads`]).
+    PmemAlert,
     /// A queue of the entropy device or the console.
     Own {
         dev: Own,
@@ -112,34 +139,68 @@ impl Own {
     }
 }
 
-/// The loop's registrations.
+/// The loop's registrations. They live as long as the machine's loop, so
+/// the slot of an input that went away (a serial socket client replaced)
+/// is reused by a later one, but not within the batch of events that
+/// removed it (an event of the old fd in the same batch must find no
+/// token, not the new one).
 struct Registry {
     epoll: Epoll,
-    tokens: Vec<Token>,
+    /// By the registration's data; `None`: a removed input.
+    tokens: Vec<Option<Token>>,
+    /// Slots removed during the current batch of events.
+    retired: Vec<usize>,
+    /// Slots free for the next registration.
+    free: Vec<usize>,
 }
 
 impl Registry {
     fn add(&mut self, fd: RawFd, token: Token) -> Result<(), ControlError> {
+        let slot = self.free.pop().unwrap_or(self.tokens.len());
         self.epoll
             .ctl(
                 ControlOperation::Add,
                 fd,
-                EpollEvent::new(EventSet::IN, self.tokens.len() as u64),
+                EpollEvent::new(EventSet::IN, slot as u64),
             )
             .map_err(|source| ControlError::Epoll {
                 what: "registering an fd",
                 source,
             })?;
-        self.tokens.push(token);
+        match self.tokens.get_mut(slot) {
+            Some(t) => *t = Some(token),
+            None => self.tokens.push(Some(token)),
+        }
         Ok(())
     }
 
-    fn remove(&self, fd: RawFd) {
+    /// Before the next wait: the slots removed meanwhile may be reused.
+    fn next_batch(&mut self) {
+        self.free.append(&mut self.retired);
+    }
+
+    /// The token registered with `data`.
+    fn token(&self, data: u64) -> Option<Token> {
+        self.tokens
+            .get(usize::try_from(data).ok()?)
+            .copied()
+            .flatten()
+    }
+
+    /// Removes `fd` (an input: a pty, a socket client, standard input).
+    fn remove(&mut self, fd: RawFd) {
         if let Err(e) = self
             .epoll
             .ctl(ControlOperation::Delete, fd, EpollEvent::default())
         {
             log::warn!("epoll: removing fd {fd}: {e}");
+        }
+        // An event already read for it finds no token.
+        for (slot, t) in self.tokens.iter_mut().enumerate() {
+            if matches!(t, Some(Token::Input { fd: f, .. }) if *f == fd) {
+                *t = None;
+                self.retired.push(slot);
+            }
         }
     }
 }
@@ -220,6 +281,8 @@ fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Regis
     let mut r = Registry {
         epoll,
         tokens: Vec::new(),
+        retired: Vec::new(),
+        free: Vec::new(),
     };
     use std::os::fd::AsRawFd;
     r.add(m.power.as_raw_fd(), Token::Power)?;
@@ -277,22 +340,7 @@ fn registry(m: &Machine, inputs: &Inputs, api_fd: Option<RawFd>) -> Result<Regis
             },
         )?;
     }
-    for (dev, p) in m.pmem.iter().enumerate() {
-        for (queue, fd) in p.notify.iter().enumerate() {
-            r.add(
-                fd.as_raw_fd(),
-                Token::Notify {
-                    dev,
-                    queue: queue as u16,
-                },
-            )?;
-        }
-        if let Some(mon) = &p.monitor {
-            for fd in mon.fds() {
-                r.add(fd, Token::Monitor { dev, fd })?;
-            }
-        }
-    }
+    r.add(m.alerts.fd(), Token::PmemAlert)?;
     Ok(r)
 }
 
@@ -323,34 +371,61 @@ fn deliver(m: &Machine, pending: &mut PendingInput, to: StdinOwner, bytes: &[u8]
     }
 }
 
-fn serve_monitor(m: &Machine, dev: usize, fd: RawFd) -> Result<(), String> {
-    let Some(mon) = m.pmem.get(dev).and_then(|p| p.monitor.as_ref()) else {
-        return Ok(());
-    };
-    mon.handle_fd(fd).map(|_| ()).map_err(|e| {
-        format!(
-            "pmem {}: image monitor: {}",
-            m.pmem[dev].id,
-            error_chain(&e)
-        )
-    })
+/// The VMM thread's loop over one booted machine: its registrations are
+/// made once, when the machine has started, and kept across API requests
+/// (and across pauses) until the machine is stopped.
+pub struct EventLoop {
+    reg: Registry,
+    events: Vec<EpollEvent>,
+    /// Serial input the guest's FIFO has not taken yet.
+    pending: PendingInput,
+    /// Standard input until EOF or an error.
+    stdin_open: bool,
 }
 
-/// Runs the machine until it should end, or until the API (its eventfd
-/// `api_fd`) has requests.
-pub fn run(
+impl EventLoop {
+    /// Registers every fd the VMM thread serves for `m` (see the module
+    /// docs), the API's eventfd `api_fd` among them.
+    pub fn new(
+        m: &Machine,
+        inputs: &Inputs,
+        api_fd: Option<RawFd>,
+    ) -> Result<EventLoop, ControlError> {
+        Ok(EventLoop {
+            reg: registry(m, inputs, api_fd)?,
+            events: vec![EpollEvent::default(); 32],
+            pending: PendingInput::default(),
+            stdin_open: true,
+        })
+    }
+
+    /// Runs the machine until it should end, or until the API has
+    /// requests. Events not handled yet when it returns stay pending (the
+    /// fds stay readable) for the next call.
+    pub fn run(&mut self, m: &mut Machine, inputs: &Inputs) -> Result<Outcome, ControlError> {
+        let EventLoop {
+            reg,
+            events,
+            pending,
+            stdin_open,
+        } = self;
+        run(reg, events, pending, stdin_open, m, inputs)
+    }
+}
+
+fn run(
+    reg: &mut Registry,
+    events: &mut [EpollEvent],
+    pending: &mut PendingInput,
+    stdin_open: &mut bool,
     m: &mut Machine,
     inputs: &Inputs,
-    api_fd: Option<RawFd>,
 ) -> Result<Outcome, ControlError> {
-    let mut reg = registry(m, inputs, api_fd)?;
-    let mut events = vec![EpollEvent::default(); 32];
-    let mut pending = PendingInput::default();
-    let mut stdin_open = true;
     loop {
         // Input the guest's FIFO could not take yet is retried shortly.
         let timeout = if pending.0.is_empty() { -1 } else { 10 };
-        let n = match reg.epoll.wait(timeout, &mut events) {
+        reg.next_batch();
+        let n = match reg.epoll.wait(timeout, events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(source) => {
@@ -361,28 +436,20 @@ pub fn run(
             }
         };
         pending.feed(m);
-        let mut pmem_served = false;
         for ev in &events[..n] {
-            let Some(&token) = reg.tokens.get(ev.data() as usize) else {
+            let Some(token) = reg.token(ev.data()) else {
                 continue;
             };
             match token {
-                Token::Monitor { dev, fd } => {
-                    if let Err(e) = serve_monitor(m, dev, fd) {
-                        return Ok(Outcome::Failed(e));
+                Token::PmemAlert => {
+                    if let Some(f) = m.alerts.take() {
+                        return Ok(Outcome::Failed(f.into()));
                     }
-                    pmem_served = true;
-                }
-                Token::Notify { dev, queue } => {
-                    pmem_served = true;
-                    let p = &m.pmem[dev];
-                    if let Some(fd) = p.notify.get(usize::from(queue)) {
-                        let _ = fd.read();
+                    if m.pause_reason.is_none() {
+                        if let Some(why) = m.out_of_space() {
+                            return Ok(Outcome::OutOfSpace(why));
+                        }
                     }
-                    p.virtio
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .notify_queue(queue);
                 }
                 Token::Power => {
                     if let Some(e) = m.power.try_recv() {
@@ -403,11 +470,11 @@ pub fn run(
                             Ok((stop, stats)) => {
                                 log::info!("a vCPU ended: {stop:?} ({stats:?})");
                             }
-                            Err(e) => return Ok(Outcome::Failed(error_chain(&e))),
+                            Err(e) => return Ok(Outcome::Failed(VmFailure::Vcpu(e))),
                         }
                     }
                     if !m.vcpus_running() {
-                        return Ok(Outcome::Failed("every vCPU has ended".into()));
+                        return Ok(Outcome::Failed(VmFailure::VcpusEnded));
                     }
                 }
                 Token::Own { dev, queue } => {
@@ -445,13 +512,13 @@ pub fn run(
                             continue;
                         }
                         match sock.read_client(out, &mut buf) {
-                            Some(n) => deliver(m, &mut pending, to, &buf[..n]),
+                            Some(n) => deliver(m, pending, to, &buf[..n]),
                             None => reg.remove(fd),
                         }
                         continue;
                     }
                     match crate::chardev::read_fd(fd, &mut buf) {
-                        Ok(n) => deliver(m, &mut pending, to, &buf[..n]),
+                        Ok(n) => deliver(m, pending, to, &buf[..n]),
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Err(e) => {
@@ -468,7 +535,7 @@ pub fn run(
                     }
                 }
                 Token::Stdin => {
-                    let Some(fd) = inputs.stdin.filter(|_| stdin_open) else {
+                    let Some(fd) = inputs.stdin.filter(|_| *stdin_open) else {
                         continue;
                     };
                     let mut buf = [0u8; 256];
@@ -476,11 +543,11 @@ pub fn run(
                         Ok(0) => {
                             // EOF: the guest keeps running without input.
                             reg.remove(fd);
-                            stdin_open = false;
+                            *stdin_open = false;
                         }
                         Ok(k) => {
                             if let Some(to) = stdin_target(m) {
-                                deliver(m, &mut pending, to, &buf[..k]);
+                                deliver(m, pending, to, &buf[..k]);
                             }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
@@ -488,15 +555,10 @@ pub fn run(
                         Err(e) => {
                             log::warn!("standard input: {e}; input stops");
                             reg.remove(fd);
-                            stdin_open = false;
+                            *stdin_open = false;
                         }
                     }
                 }
-            }
-        }
-        if pmem_served && m.pause_reason.is_none() {
-            if let Some(why) = m.out_of_space() {
-                return Ok(Outcome::OutOfSpace(why));
             }
         }
     }
@@ -505,52 +567,80 @@ pub fn run(
 /// How long [`stop`] waits for the vCPUs to leave `KVM_RUN`.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Stops the vCPUs, serving the image monitors until every vCPU thread
-/// has ended (a vCPU blocked in a fault needs the monitor to leave), then
-/// runs the final barrier of every device. Returns how many barriers
-/// failed, or an error when the vCPUs did not stop in time.
-pub fn stop(m: &mut Machine) -> Result<usize, String> {
-    m.stop_vcpus();
-    let epoll = Epoll::new().map_err(|e| format!("epoll_create: {e}"))?;
-    let mut monitors = Vec::new();
-    for (dev, p) in m.pmem.iter().enumerate() {
-        if let Some(mon) = &p.monitor {
-            for fd in mon.fds() {
-                let data = monitors.len() as u64;
-                epoll
-                    .ctl(
-                        ControlOperation::Add,
-                        fd,
-                        EpollEvent::new(EventSet::IN, data),
-                    )
-                    .map_err(|e| format!("epoll_ctl: {e}"))?;
-                monitors.push((dev, fd));
-            }
-        }
-    }
+/// Why [`stop`] could not stop the machine cleanly.
+#[derive(Debug, thiserror::Error)]
+pub enum StopError {
+    /// A vCPU thread did not end (stuck in the kernel).
+    #[error("the vCPUs did not stop within {} s", STOP_TIMEOUT.as_secs())]
+    VcpusRunning,
+}
+
+/// Stops the machine: the vCPUs first (the pmem fault threads keep
+/// serving, so a vCPU blocked in a fault can leave), then the device
+/// threads (a FLUSH in progress completes), then runs the final barrier of
+/// every device on this thread. Returns how many barriers failed, or an
+/// error when the vCPUs did not stop in time (the device threads then stop
+/// when the machine drops).
+pub fn stop(m: &mut Machine) -> Result<usize, StopError> {
     let deadline = Instant::now() + STOP_TIMEOUT;
-    let mut events = vec![EpollEvent::default(); 8];
     while m.vcpus_running() {
         if Instant::now() > deadline {
-            return Err(format!(
-                "the vCPUs did not stop within {} s",
-                STOP_TIMEOUT.as_secs()
-            ));
+            return Err(StopError::VcpusRunning);
         }
+        // Again each round: a kick can land just before a vCPU enters
+        // KVM_RUN; the stop flag catches it at its next exit.
         m.stop_vcpus();
-        let n = epoll.wait(5, &mut events).unwrap_or(0);
-        for ev in &events[..n] {
-            if let Some(&(dev, fd)) = monitors.get(ev.data() as usize) {
-                if let Err(e) = serve_monitor(m, dev, fd) {
-                    log::error!("{e}");
-                }
-            }
-        }
+        std::thread::sleep(Duration::from_millis(2));
     }
     for r in m.reap_vcpus() {
         if let Err(e) = r {
-            log::warn!("{e}");
+            log::warn!("{}", error_chain(&e));
         }
     }
+    m.stop_device_threads();
     Ok(m.final_barriers())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+    use vmm_sys_util::eventfd::EventFd;
+
+    fn input(fd: RawFd) -> Token {
+        Token::Input {
+            to: StdinOwner::Serial,
+            fd,
+        }
+    }
+
+    #[test]
+    fn a_removed_input_finds_no_token_in_its_batch_and_its_slot_is_reused_after() {
+        let mut reg = Registry {
+            epoll: Epoll::new().unwrap(),
+            tokens: Vec::new(),
+            retired: Vec::new(),
+            free: Vec::new(),
+        };
+        let (a, b, c) = (
+            EventFd::new(0).unwrap(),
+            EventFd::new(0).unwrap(),
+            EventFd::new(0).unwrap(),
+        );
+        reg.add(a.as_raw_fd(), Token::Api).unwrap();
+        reg.add(b.as_raw_fd(), input(b.as_raw_fd())).unwrap();
+        reg.remove(b.as_raw_fd());
+        assert!(reg.token(1).is_none(), "removed");
+        // Same batch: a new input gets a new slot.
+        reg.add(c.as_raw_fd(), input(c.as_raw_fd())).unwrap();
+        assert!(matches!(reg.token(2), Some(Token::Input { fd, .. }) if fd == c.as_raw_fd()));
+        assert!(reg.token(1).is_none());
+        // Next batch: the removed slot is reused.
+        reg.remove(c.as_raw_fd());
+        reg.next_batch();
+        reg.add(b.as_raw_fd(), input(b.as_raw_fd())).unwrap();
+        assert_eq!(reg.tokens.len(), 3, "no growth");
+        assert!(matches!(reg.token(0), Some(Token::Api)));
+        assert!(reg.token(99).is_none());
+    }
 }

@@ -9,10 +9,14 @@
 //!
 //! [`Machine::build`] does everything that can fail before any guest code
 //! runs, so a bad kernel, a bad image or a busy lock is an error before
-//! the guest starts. [`Machine::start`] spawns the vCPU threads; the
-//! control loop ([`crate::control`]) then owns the machine and ends it
-//! with [`Machine::shutdown`], which stops the vCPUs and runs the final
-//! barrier on every device.
+//! the guest starts. [`Machine::start`] spawns each pmem device's threads
+//! (its fault thread for a pcow image, its queue thread:
+//! [`crate::pmem_threads`]), then the vCPU threads; the VMM thread's
+//! control loop ([`crate::control`]) then serves the machine, and
+//! [`crate::control::stop`] ends it: the vCPUs
+//! ([`Machine::stop_vcpus`]), the device threads
+//! ([`Machine::stop_device_threads`]), then the final barrier of every
+//! device ([`Machine::final_barriers`]).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
@@ -35,6 +39,7 @@ use crate::chardev::{Backend, Chardevs};
 use crate::config::{PmemFormat, ValidatedPmem, VmConfig};
 use crate::cpu;
 use crate::device_tree::{self, DeviceTree, Resource};
+use crate::health::OutOfSpace;
 use crate::irq::{self, GsiRouter, MsixIrqs};
 use crate::legacy::ports::PortBusBuilder;
 use crate::legacy::power::{power_channel, PowerDevice, PowerEventReceiver};
@@ -44,6 +49,7 @@ use crate::pci::{
     BarMove, ConsoleDevice, ConsoleInput, Mmio64Window, PciBus, PciConfigIo, PmemVirtio, RngDevice,
     VirtioDevice, VirtioPciDevice,
 };
+use crate::pmem_threads::{DeviceAlerts, PmemThreads};
 use crate::vcpu::{self, MmioBus, Vcpu, VcpuControl, VcpuThread};
 use crate::vm::{Memslot, Vm};
 
@@ -171,6 +177,12 @@ pub enum MachineError {
     Power(#[source] crate::legacy::power::PowerError),
     #[error("creating an eventfd")]
     EventFd(#[source] std::io::Error),
+    #[error("pmem device {id}: starting its threads")]
+    DeviceThreads {
+        id: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("raising the power button interrupt (GSI {})", acpi::GED_GSI)]
     PowerButton(#[source] std::io::Error),
 }
@@ -241,8 +253,9 @@ impl FlushBackend for PmemBackend {
 
 /// One pmem device of a machine.
 pub struct Pmem {
-    // Field order is drop order: the memslot goes before the region it
-    // points at can be unmapped.
+    // Field order is drop order: the device's threads stop first, then
+    // the memslot goes before the region it points at can be unmapped.
+    threads: Option<PmemThreads>,
     slot: Memslot,
     /// The device id.
     pub id: String,
@@ -252,12 +265,13 @@ pub struct Pmem {
     pub format: PmemFormat,
     /// The virtio-pci function.
     pub virtio: Arc<Mutex<VirtioPciDevice>>,
-    /// The userfaultfd monitor (pcow only), served by the control loop.
+    /// The userfaultfd monitor (pcow only), served by the device's
+    /// `pmemN-fault` thread once the machine started.
     pub monitor: Option<Arc<Monitor>>,
     /// The region.
     pub backend: PmemBackend,
-    /// Queue notification eventfds (one per queue), as the control loop
-    /// polls them.
+    /// Queue notification eventfds (one per queue), until
+    /// [`Machine::start`] hands them to the device's `pmemN-queue` thread.
     pub notify: Vec<EventFd>,
     /// The PCI address, `0000:00:DD.F`.
     pub bdf: String,
@@ -292,21 +306,28 @@ impl Pmem {
 
     /// Why the guest must wait for free space on this device, if it must:
     /// a FLUSH stalled in the queue, or a write fault that got no cluster.
-    pub fn out_of_space(&self) -> Option<String> {
+    pub fn out_of_space(&self) -> Option<OutOfSpace> {
         let stalled = self
             .virtio
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .stalled();
         if let Some(why) = stalled {
-            return Some(format!("pmem {}: flush: {why}", self.id));
+            return Some(OutOfSpace::Flush {
+                id: self.id.clone(),
+                why,
+            });
         }
         let region = self.pcow()?;
         match region.out_of_space() {
-            Ok(why) => {
-                why.map(|w| format!("pmem {}: {}", self.id, crate::control::error_chain(&w)))
-            }
-            Err(e) => Some(format!("pmem {}: {e}", self.id)),
+            Ok(why) => why.map(|why| OutOfSpace::Fault {
+                id: self.id.clone(),
+                why,
+            }),
+            Err(error) => Some(OutOfSpace::Unknown {
+                id: self.id.clone(),
+                error,
+            }),
         }
     }
 
@@ -314,14 +335,17 @@ impl Pmem {
     /// the file system was full into the image, then a stalled FLUSH is
     /// retried and answered. Fails (and changes nothing the guest sees)
     /// while there is still no space. Call with the vCPUs held.
-    pub fn retry_out_of_space(&self) -> Result<(), String> {
+    pub fn retry_out_of_space(&self) -> Result<(), OutOfSpace> {
         let mut v = self.virtio.lock().unwrap_or_else(|e| e.into_inner());
         if v.stalled().is_some() {
             // The waiting FLUSH's own barrier moves everything; it stalls
             // again while there is still no space.
             v.unstall();
             return match v.stalled() {
-                Some(why) => Err(format!("pmem {}: flush: {why}", self.id)),
+                Some(why) => Err(OutOfSpace::Flush {
+                    id: self.id.clone(),
+                    why,
+                }),
                 None => Ok(()),
             };
         }
@@ -330,12 +354,11 @@ impl Pmem {
             .pcow()
             .is_some_and(|r| !matches!(r.out_of_space(), Ok(None)));
         if waiting {
-            if let Some(Err(e)) = self.barrier() {
-                return Err(format!(
-                    "pmem {}: {}",
-                    self.id,
-                    crate::control::error_chain(&e)
-                ));
+            if let Some(Err(error)) = self.barrier() {
+                return Err(OutOfSpace::Barrier {
+                    id: self.id.clone(),
+                    error,
+                });
             }
         }
         Ok(())
@@ -501,11 +524,15 @@ pub struct Machine {
     pub power: PowerEventReceiver,
     /// Written by each vCPU thread when its run ends.
     pub vcpu_exit: Arc<EventFd>,
+    /// The pmem device threads' reports (a monitor failed, a device waits
+    /// for space), polled by the control loop.
+    pub alerts: Arc<DeviceAlerts>,
     /// Pause/resume of the vCPUs (the pmem barriers hold them through it).
     pub ctl: Arc<VcpuControl>,
     /// Why the VMM paused the guest by itself (a pmem device found its
-    /// file system full), until `vm.resume` finds space again.
-    pub pause_reason: Option<String>,
+    /// file system full: the only reason it does), until `vm.resume`
+    /// finds space again.
+    pub pause_reason: Option<OutOfSpace>,
     /// The ACPI Generic Event Device's interrupt (an irqfd on
     /// [`acpi::GED_GSI`]): the power button.
     ged: EventFd,
@@ -716,6 +743,7 @@ impl Machine {
                 slot.len() >> 20
             );
             devices.push(Pmem {
+                threads: None,
                 slot,
                 id: p.id.clone(),
                 file: p.file.clone(),
@@ -800,6 +828,7 @@ impl Machine {
             serial,
             power,
             vcpu_exit: Arc::new(EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?),
+            alerts: Arc::new(DeviceAlerts::new().map_err(MachineError::EventFd)?),
             ctl,
             pause_reason: None,
             ged,
@@ -855,8 +884,25 @@ impl Machine {
         tree
     }
 
-    /// Starts every vCPU on its own thread.
+    /// Starts the threads of every pmem device (`pmemN-fault` for a pcow
+    /// image's monitor, `pmemN-queue` for its queue), then every vCPU on
+    /// its own thread.
     pub fn start(&mut self) -> Result<(), MachineError> {
+        for (index, p) in self.pmem.iter_mut().enumerate() {
+            let threads = PmemThreads::spawn(
+                index,
+                &p.id,
+                p.virtio.clone(),
+                std::mem::take(&mut p.notify),
+                p.monitor.clone(),
+                &self.alerts,
+            )
+            .map_err(|source| MachineError::DeviceThreads {
+                id: p.id.clone(),
+                source,
+            })?;
+            p.threads = Some(threads);
+        }
         for v in self.vcpus.drain(..) {
             let t = vcpu::spawn_notifying(
                 v,
@@ -908,6 +954,15 @@ impl Machine {
         self.ctl.stop();
     }
 
+    /// Stops and joins the threads of every pmem device: each queue
+    /// thread, then its fault thread. Call once the vCPUs have stopped (a
+    /// vCPU in a fault needs the fault thread to leave it).
+    pub fn stop_device_threads(&mut self) {
+        for p in &mut self.pmem {
+            p.threads = None;
+        }
+    }
+
     /// Presses the ACPI power button: raises the Generic Event Device's
     /// interrupt, whose `_EVT` notifies `\_SB_.PWRB` (see [`crate::acpi`]).
     /// What happens next is the guest's choice (a Linux guest with an ACPI
@@ -925,7 +980,7 @@ impl Machine {
     }
 
     /// The first device that waits for free space, and why.
-    pub fn out_of_space(&self) -> Option<String> {
+    pub fn out_of_space(&self) -> Option<OutOfSpace> {
         self.pmem.iter().find_map(Pmem::out_of_space)
     }
 

@@ -204,8 +204,8 @@ fn run() -> Result<()> {
     let mut vmm = Vmm::new(inputs, receiver);
     let _raw = RawTerminal::new(tty);
     if let Some(c) = config {
-        vmm.create(c).map_err(api_error)?;
-        vmm.boot().map_err(api_error)?;
+        vmm.create(c).map_err(vmm_error)?;
+        vmm.boot().map_err(vmm_error)?;
     }
     let exit = vmm.run();
     if let Some(s) = &server {
@@ -221,8 +221,9 @@ fn run() -> Result<()> {
     }
 }
 
-fn api_error(e: vmm::api::ApiError) -> anyhow::Error {
-    anyhow::Error::msg(e.chain.join(": "))
+/// A failed create or boot, on one line (as the API's chain would read).
+fn vmm_error(e: vmm::vmm_error::VmmError) -> anyhow::Error {
+    anyhow::Error::msg(vmm::control::error_chain(&e))
 }
 
 fn main() -> ExitCode {

@@ -14,8 +14,11 @@
 //! that lands between a thread's check of the flag and its entry into
 //! `KVM_RUN` would be lost, so the pausing thread kicks again every
 //! [`REKICK`] until every vCPU has acknowledged. A vCPU blocked in a
-//! userfaultfd fault inside `KVM_RUN` leaves it when the monitor (on
-//! another thread) resolves the fault, or at the signal.
+//! userfaultfd fault inside `KVM_RUN` leaves it only when the monitor
+//! resolves the fault (then at the pending kick): on the host's KVM the
+//! signal does not interrupt that wait (`tests/fault_barrier_kvm.rs`
+//! measures it), so the monitor runs on a thread of its own (its device's
+//! `pmemN-fault`), never on a thread that pauses the vCPUs.
 //!
 //! [`VcpuControl::nmi`] injects an NMI into every vCPU. `KVM_NMI` is a
 //! vCPU ioctl, so it is issued by the vCPU's own thread: the control marks

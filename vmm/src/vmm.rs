@@ -10,15 +10,19 @@
 //! | `Paused` | built, vCPUs held | `vm.pause` |
 //!
 //! As upstream, a VM that was shut down is `Created` again (it may boot
-//! again), and the answers are upstream's: an action in the wrong state is
+//! again), and the answers are upstream's (status codes chosen in
+//! [`crate::api::errors`]): an action in the wrong state is
 //! 500 (`["Error from API", what failed, why]`), `vm.info`, `vm.boot`,
 //! `vm.reboot` and the `add-*` actions without a VM are 404, `vm.pause`,
 //! `vm.resume`, `vm.shutdown`, `vm.counters`, `vm.power-button` and
 //! `vm.nmi` without a running VM are 500, `vm.delete` without a VM is 204.
 //!
 //! The VMM thread runs [`Vmm::run`]: while a machine exists it is the
-//! control loop ([`crate::control`]), which also returns when the API has
-//! requests; otherwise it waits for the API or a signal. Guest power-off
+//! control loop ([`crate::control::EventLoop`], registered once per boot
+//! and kept across requests), which also returns when the API has
+//! requests; otherwise it waits for the API or a signal. Every action
+//! fails with a [`VmmError`]; the API layer ([`crate::api::errors`])
+//! alone turns it into upstream's status and error chain. Guest power-off
 //! and SIGTERM/SIGINT end the VMM (exit code 0) after the final barriers,
 //! as upstream ends on them; `vmm.shutdown` too.
 
@@ -30,14 +34,16 @@ use serde_json::{json, Value};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use crate::api::{
-    ApiError, ApiReceiver, ApiRequest, ApiResult, PmemOverlay, PmemRollback, PmemSnapshot,
+    ApiReceiver, ApiRequest, HandlerResult, PmemOverlay, PmemRollback, PmemSnapshot,
     PmemSnapshotDelete, RequestHandler, Unsupported, VmResize,
 };
-use crate::chardev::{ChardevError, Chardevs};
-use crate::config::{PmemConfig, ValidationError, VmConfig, MAX_VCPUS};
-use crate::control::{self, Inputs, Outcome};
+use crate::chardev::Chardevs;
+use crate::config::{PmemConfig, VmConfig, MAX_VCPUS};
+use crate::control::{self, error_chain, Inputs, Outcome};
 use crate::event_monitor::event;
-use crate::machine::{Machine, MachineError, Pmem};
+use crate::health::OutOfSpace;
+use crate::machine::{Machine, Pmem};
+use crate::vmm_error::{ShutdownError, VmmError};
 
 /// The VM's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +70,8 @@ struct Vm {
     config: VmConfig,
     state: VmState,
     machine: Option<Machine>,
+    /// The control loop of the machine, registered once per boot.
+    events: Option<control::EventLoop>,
     boots: u64,
     /// The serial port's and console's backends, opened at the first boot
     /// and kept across reboots (a pty keeps its path).
@@ -87,49 +95,6 @@ pub struct Vmm {
     exit: Option<VmmExit>,
 }
 
-/// The status a pcow library error answers with.
-fn pcow_status(e: &pcow::Error) -> u16 {
-    match e {
-        pcow::Error::NoSuchSnapshot { .. } => 404,
-        pcow::Error::DuplicateTag { .. } | pcow::Error::Locked { .. } => 409,
-        pcow::Error::BadTag { .. }
-        | pcow::Error::Limit { .. }
-        | pcow::Error::ChainTooDeep { .. } => 400,
-        _ => 500,
-    }
-}
-
-/// The status a failed machine build answers with: 400 when the config
-/// names something that cannot work (not a kernel, a serial file that
-/// cannot be opened, ...), 500 for the host's own failures.
-fn build_status(e: &MachineError) -> u16 {
-    use crate::legacy::serial::SerialError;
-    match e {
-        MachineError::NoKernel => 400,
-        MachineError::Boot(b) if b.is_config_error() => 400,
-        MachineError::Serial(SerialError::Interrupt(_)) => 500,
-        MachineError::Serial(_) | MachineError::Rng(_) => 400,
-        _ => 500,
-    }
-}
-
-/// The status a backend that cannot be opened answers with: 400 for what
-/// the config names (a file, a socket path), 500 for the host's own.
-fn chardev_status(e: &ChardevError) -> u16 {
-    match e {
-        ChardevError::Pty { .. } | ChardevError::Stdout { .. } | ChardevError::Thread(_) => 500,
-        _ => 400,
-    }
-}
-
-fn barrier_status(e: &virtio_pmem_pcow::BarrierError) -> u16 {
-    match e {
-        virtio_pmem_pcow::BarrierError::Image(p) => pcow_status(p),
-        virtio_pmem_pcow::BarrierError::Discarding => 400,
-        _ => 500,
-    }
-}
-
 fn snapshot_json(s: &pcow::SnapshotInfo) -> Value {
     json!({
         "id": s.id,
@@ -139,18 +104,8 @@ fn snapshot_json(s: &pcow::SnapshotInfo) -> Value {
 }
 
 /// An action in a state that does not allow it (upstream: 500).
-fn wrong_state(msg: impl Into<String>) -> ApiError {
-    ApiError::new(500, msg)
-}
-
-/// No VM to act on, where upstream answers 404.
-fn not_created() -> ApiError {
-    ApiError::new(404, "VM is not created")
-}
-
-/// No running (or paused) VM, where upstream answers 500.
-fn not_running() -> ApiError {
-    ApiError::new(500, "VM is not running")
+fn wrong_state(msg: impl Into<String>) -> VmmError {
+    VmmError::WrongState(msg.into())
 }
 
 impl Vmm {
@@ -164,49 +119,48 @@ impl Vmm {
         }
     }
 
-    fn vm(&self) -> Result<&Vm, ApiError> {
-        self.vm.as_ref().ok_or_else(not_created)
+    fn vm(&self) -> Result<&Vm, VmmError> {
+        self.vm.as_ref().ok_or(VmmError::NotCreated)
     }
 
-    fn vm_mut(&mut self) -> Result<&mut Vm, ApiError> {
-        self.vm.as_mut().ok_or_else(not_created)
+    fn vm_mut(&mut self) -> Result<&mut Vm, VmmError> {
+        self.vm.as_mut().ok_or(VmmError::NotCreated)
     }
 
-    /// The machine of the running (or paused) VM; 500 otherwise.
-    fn machine(&self) -> Result<&Machine, ApiError> {
+    /// The machine of the running (or paused) VM.
+    fn machine(&self) -> Result<&Machine, VmmError> {
         self.vm
             .as_ref()
             .and_then(|vm| vm.machine.as_ref())
-            .ok_or_else(not_running)
+            .ok_or(VmmError::NotRunning)
     }
 
-    /// The running (or paused) VM and its machine; 500 otherwise.
-    fn machine_mut(&mut self) -> Result<(&mut VmState, &mut Machine), ApiError> {
+    /// The running (or paused) VM and its machine.
+    fn machine_mut(&mut self) -> Result<(&mut VmState, &mut Machine), VmmError> {
         match self.vm.as_mut() {
             Some(Vm {
                 machine: Some(m),
                 state,
                 ..
             }) => Ok((state, m)),
-            _ => Err(not_running()),
+            _ => Err(VmmError::NotRunning),
         }
     }
 
     /// Creates the VM from `config` (validated here).
-    pub fn create(&mut self, mut config: VmConfig) -> ApiResult {
+    pub fn create(&mut self, mut config: VmConfig) -> HandlerResult {
         if let Some(vm) = &self.vm {
             return Err(wrong_state(format!(
                 "VM is already created (it is {}): vm.delete it first",
                 vm.state.name()
             )));
         }
-        config
-            .validate()
-            .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
+        config.validate().map_err(VmmError::InvalidConfig)?;
         self.vm = Some(Vm {
             config,
             state: VmState::Created,
             machine: None,
+            events: None,
             boots: 0,
             chardevs: None,
         });
@@ -214,7 +168,7 @@ impl Vmm {
     }
 
     /// Builds and starts the machine of a created or shut-down VM.
-    pub fn boot(&mut self) -> ApiResult {
+    pub fn boot(&mut self) -> HandlerResult {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
             return Err(wrong_state(format!(
@@ -223,24 +177,24 @@ impl Vmm {
             )));
         }
         // Again: the files may have changed since the VM was created.
-        let pmem = vm
-            .config
-            .validate()
-            .map_err(|e| ApiError::with_source(400, "invalid VM config", &e))?;
+        let pmem = vm.config.validate().map_err(VmmError::InvalidConfig)?;
         event("vm", "booting", &[]);
         let chardevs = match &vm.chardevs {
             Some(c) => c.clone(),
             None => {
-                let c = Chardevs::open(&mut vm.config).map_err(|e| {
-                    ApiError::with_source(chardev_status(&e), "building the VM", &e)
-                })?;
+                let c = Chardevs::open(&mut vm.config).map_err(VmmError::Chardevs)?;
                 vm.chardevs.insert(Arc::new(c)).clone()
             }
         };
-        let mut m = Machine::build(&vm.config, &pmem, &chardevs)
-            .map_err(|e| ApiError::with_source(build_status(&e), "building the VM", &e))?;
-        m.start()
-            .map_err(|e| ApiError::with_source(500, "starting the vCPUs", &e))?;
+        let mut m = Machine::build(&vm.config, &pmem, &chardevs).map_err(VmmError::Build)?;
+        if let Err(e) = m.start() {
+            // What started (device threads, vCPUs) stops before the
+            // machine goes.
+            if let Err(s) = control::stop(&mut m) {
+                log::error!("stopping a machine that did not start: {}", error_chain(&s));
+            }
+            return Err(VmmError::Start(e));
+        }
         vm.boots += 1;
         log::info!("guest started (boot {})", vm.boots);
         vm.machine = Some(m);
@@ -251,7 +205,7 @@ impl Vmm {
 
     /// Stops the machine (final barriers) if there is one; the state
     /// becomes `Created` again.
-    fn stop_machine(&mut self) -> Result<(), String> {
+    fn stop_machine(&mut self) -> Result<(), ShutdownError> {
         let Some(vm) = self.vm.as_mut() else {
             return Ok(());
         };
@@ -259,13 +213,12 @@ impl Vmm {
             return Ok(());
         };
         vm.state = VmState::Created;
+        vm.events = None;
         let failed = control::stop(&mut m)?;
         drop(m);
         event("vm", "shutdown", &[]);
         if failed > 0 {
-            return Err(format!(
-                "{failed} pmem device(s) failed their final barrier"
-            ));
+            return Err(ShutdownError::FinalBarriers { failed });
         }
         Ok(())
     }
@@ -275,19 +228,33 @@ impl Vmm {
         loop {
             if let Some(exit) = self.exit.take() {
                 if let Err(e) = self.stop_machine() {
-                    return VmmExit::Failed(e);
+                    return VmmExit::Failed(error_chain(&e));
                 }
                 return exit;
             }
             let api_fd = self.api.as_ref().map(|a| a.evt.as_raw_fd());
-            let outcome = match self.vm.as_mut().and_then(|v| v.machine.as_mut()) {
-                Some(m) => match control::run(m, &self.inputs, api_fd) {
+            let outcome = match self.vm.as_mut() {
+                Some(Vm {
+                    machine: Some(m),
+                    events,
+                    ..
+                }) => {
+                    let events = match events {
+                        Some(l) => Ok(l),
+                        None => control::EventLoop::new(m, &self.inputs, api_fd)
+                            .map(|l| events.insert(l)),
+                    };
+                    match events.and_then(|l| l.run(m, &self.inputs)) {
+                        Ok(o) => o,
+                        Err(e) => Outcome::Failed(e.into()),
+                    }
+                }
+                _ => match self.wait_idle(api_fd) {
                     Ok(o) => o,
-                    Err(e) => Outcome::Failed(control::error_chain(&e)),
-                },
-                None => match self.wait_idle(api_fd) {
-                    Ok(o) => o,
-                    Err(e) => Outcome::Failed(e),
+                    Err(e) => {
+                        self.exit = Some(VmmExit::Failed(e));
+                        continue;
+                    }
                 },
             };
             match outcome {
@@ -301,11 +268,11 @@ impl Vmm {
                 Outcome::Reset => {
                     log::info!("guest reset: booting again");
                     if let Err(e) = self.restart() {
-                        self.exit = Some(VmmExit::Failed(e.chain.join(": ")));
+                        self.exit = Some(VmmExit::Failed(error_chain(&e)));
                     }
                 }
                 Outcome::OutOfSpace(why) => self.pause_for_space(why),
-                Outcome::Failed(msg) => self.exit = Some(VmmExit::Failed(msg)),
+                Outcome::Failed(e) => self.exit = Some(VmmExit::Failed(error_chain(&e))),
             }
         }
     }
@@ -314,7 +281,7 @@ impl Vmm {
     /// writes wait in memory, a FLUSH waits in the queue) until `vm.resume`
     /// finds space again. Nothing is answered with an error and nothing
     /// is lost.
-    fn pause_for_space(&mut self, why: String) {
+    fn pause_for_space(&mut self, why: OutOfSpace) {
         let Some(vm) = self.vm.as_mut() else { return };
         let Some(m) = vm.machine.as_mut() else { return };
         if vm.state == VmState::Running {
@@ -323,7 +290,7 @@ impl Vmm {
                 return;
             }
             vm.state = VmState::Paused;
-            event("vm", "paused", &[("reason", &why)]);
+            event("vm", "paused", &[("reason", &why.to_string())]);
         }
         log::warn!("VM paused: {why}; free space, then vm.resume");
         m.pause_reason = Some(why);
@@ -331,18 +298,18 @@ impl Vmm {
 
     /// `vm.resume`: after a pause for space, the devices first move what
     /// waited into their images; the guest stays paused if they cannot.
-    fn resume(&mut self) -> ApiResult {
+    fn resume(&mut self) -> HandlerResult {
         let (state, m) = self.machine_mut()?;
         if *state != VmState::Paused {
             return Err(wrong_state(format!("VM is {}, not Paused", state.name())));
         }
-        if let Some(why) = m.pause_reason.clone() {
+        if let Some(why) = &m.pause_reason {
             for p in &m.pmem {
-                p.retry_out_of_space().map_err(|e| {
-                    wrong_state(format!(
-                        "the VM stays paused: still out of space: {e} (paused for: {why})"
-                    ))
-                })?;
+                p.retry_out_of_space()
+                    .map_err(|still| VmmError::StillOutOfSpace {
+                        still: Box::new(still),
+                        paused_for: why.to_string(),
+                    })?;
             }
             log::info!("space found again: the VM resumes");
             m.pause_reason = None;
@@ -355,10 +322,12 @@ impl Vmm {
     }
 
     /// Stops and boots again.
-    fn restart(&mut self) -> ApiResult {
+    fn restart(&mut self) -> HandlerResult {
         event("vm", "rebooting", &[]);
-        self.stop_machine()
-            .map_err(|e| ApiError::new(500, format!("stopping the VM: {e}")))?;
+        self.stop_machine().map_err(|error| VmmError::Shutdown {
+            what: "stopping the VM",
+            error,
+        })?;
         self.boot()?;
         event("vm", "rebooted", &[]);
         Ok(None)
@@ -407,7 +376,7 @@ impl Vmm {
 
     /// `vm.info` in upstream's shape: no `device_tree` before the boot,
     /// no `pause_reason` (ours) unless the VMM paused the guest itself.
-    fn info(&self) -> ApiResult {
+    fn info(&self) -> HandlerResult {
         let vm = self.vm()?;
         let mut info = json!({
             "config": vm.config,
@@ -417,7 +386,7 @@ impl Vmm {
         if let Some(m) = &vm.machine {
             info["device_tree"] = json!(m.device_tree());
             if let Some(why) = &m.pause_reason {
-                info["pause_reason"] = json!(why);
+                info["pause_reason"] = json!(why.to_string());
             }
         }
         Ok(Some(info))
@@ -425,7 +394,7 @@ impl Vmm {
 
     /// `vm.counters`: per device, its counters (upstream's
     /// `{id: {name: value}}`).
-    fn counters(&mut self) -> ApiResult {
+    fn counters(&mut self) -> HandlerResult {
         let (_, m) = self.machine_mut()?;
         let object = |c: Vec<(&str, u64)>| {
             Value::Object(
@@ -449,7 +418,7 @@ impl Vmm {
     /// upstream does (checked here rather than at the next boot); a running
     /// VM keeps its vCPUs and RAM, since this VMM has no vCPU or memory
     /// hot-plug, unless nothing would change.
-    fn resize(&mut self, r: VmResize) -> ApiResult {
+    fn resize(&mut self, r: VmResize) -> HandlerResult {
         let vm = self.vm_mut()?;
         let cfg = &vm.config;
         let vcpus = match r.desired_vcpus {
@@ -459,22 +428,20 @@ impl Vmm {
                     .ok()
                     .filter(|n| (1..=MAX_VCPUS).contains(n))
                     .ok_or_else(|| {
-                        ApiError::new(400, format!("desired_vcpus {n}: must be 1 to {MAX_VCPUS}"))
+                        VmmError::BadValue(format!("desired_vcpus {n}: must be 1 to {MAX_VCPUS}"))
                     })?,
             ),
         };
         if let Some(ram) = r.desired_ram {
             if ram == 0 || ram % (2 << 20) != 0 {
-                return Err(ApiError::new(
-                    400,
-                    format!("desired_ram {ram}: must be a non-zero multiple of 2 MiB"),
-                ));
+                return Err(VmmError::BadValue(format!(
+                    "desired_ram {ram}: must be a non-zero multiple of 2 MiB"
+                )));
             }
         }
         if r.desired_balloon.is_some_and(|b| b != 0) {
-            return Err(ApiError::new(
-                400,
-                "desired_balloon: this VMM has no virtio-balloon device",
+            return Err(VmmError::BadValue(
+                "desired_balloon: this VMM has no virtio-balloon device".into(),
             ));
         }
         let changes_vcpus = vcpus.is_some_and(|n| n != cfg.cpus.boot_vcpus);
@@ -498,8 +465,7 @@ impl Vmm {
         if let Some(ram) = r.desired_ram {
             next.memory.size = ram;
         }
-        next.validate()
-            .map_err(|e| ApiError::with_source(400, "invalid VM config after the resize", &e))?;
+        next.validate().map_err(VmmError::InvalidResize)?;
         event("vm", "resizing", &[]);
         vm.config = next;
         event("vm", "resized", &[]);
@@ -509,25 +475,25 @@ impl Vmm {
     /// An upstream endpoint of something this VMM does not have: refused
     /// once the state upstream checks first allows it (a VM for devices,
     /// a booted VM for snapshots, dumps and sending a migration).
-    fn unsupported(&self, u: Unsupported) -> ApiResult {
+    fn unsupported(&self, u: Unsupported) -> HandlerResult {
         match u.action {
             "vm.restore" | "vm.receive-migration" => {}
             "vm.snapshot" | "vm.coredump" | "vm.send-migration" => {
                 if self.vm.as_ref().is_none_or(|vm| vm.machine.is_none()) {
-                    return Err(not_running());
+                    return Err(VmmError::NotRunning);
                 }
             }
             _ => {
                 self.vm()?;
             }
         }
-        Err(ApiError::new(
-            400,
-            format!("{}: this VMM has no {}", u.action, u.missing),
-        ))
+        Err(VmmError::Unsupported {
+            action: u.action,
+            missing: u.missing,
+        })
     }
 
-    fn add_pmem(&mut self, cfg: PmemConfig) -> ApiResult {
+    fn add_pmem(&mut self, cfg: PmemConfig) -> HandlerResult {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
             return Err(wrong_state(
@@ -535,17 +501,11 @@ impl Vmm {
                  add the device before vm.boot or after vm.shutdown",
             ));
         }
-        vm.config.add_pmem(cfg).map_err(|e| {
-            let status = match e {
-                ValidationError::DuplicateId(_) | ValidationError::PmemSameFile { .. } => 409,
-                _ => 400,
-            };
-            ApiError::with_source(status, "vm.add-pmem", &e)
-        })?;
+        vm.config.add_pmem(cfg).map_err(VmmError::AddPmem)?;
         Ok(None)
     }
 
-    fn remove_device(&mut self, id: &str) -> ApiResult {
+    fn remove_device(&mut self, id: &str) -> HandlerResult {
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
             return Err(wrong_state(
@@ -557,32 +517,31 @@ impl Vmm {
         let before = list.len();
         list.retain(|p| p.id.as_deref() != Some(id));
         if list.len() == before {
-            return Err(ApiError::new(404, format!("no device with id {id}")));
+            return Err(VmmError::NoSuchDevice(id.to_owned()));
         }
         Ok(None)
     }
 
     /// The configured pmem device `id` (404 if unknown, 400 if raw).
-    fn pcow_config(&self, id: &str) -> Result<PathBuf, ApiError> {
+    fn pcow_config(&self, id: &str) -> Result<PathBuf, VmmError> {
         let vm = self.vm()?;
         let p = vm
             .config
             .pmem()
             .iter()
             .find(|p| p.id.as_deref() == Some(id))
-            .ok_or_else(|| ApiError::new(404, format!("no pmem device with id {id}")))?;
-        let file = std::fs::File::open(&p.file)
-            .map_err(|e| ApiError::with_source(500, format!("{}", p.file.display()), &e))?;
-        let is_pcow = pcow::is_pcow(&file)
-            .map_err(|e| ApiError::with_source(500, format!("{}", p.file.display()), &e))?;
+            .ok_or_else(|| VmmError::NoSuchPmem(id.to_owned()))?;
+        let unreadable = |source| VmmError::File {
+            path: p.file.clone(),
+            source,
+        };
+        let file = std::fs::File::open(&p.file).map_err(unreadable)?;
+        let is_pcow = pcow::is_pcow(&file).map_err(unreadable)?;
         if !is_pcow {
-            return Err(ApiError::new(
-                400,
-                format!(
-                    "{id} is not a pcow device ({} is a raw file)",
-                    p.file.display()
-                ),
-            ));
+            return Err(VmmError::RawFile {
+                id: id.to_owned(),
+                file: p.file.clone(),
+            });
         }
         Ok(p.file.clone())
     }
@@ -590,7 +549,7 @@ impl Vmm {
     /// Refuses `what` (an operation that writes the image) on a device
     /// with `discard_writes`, running or not: such a device never writes
     /// its image, and its own writes are discarded.
-    fn refuse_discard(&self, id: &str, what: &str) -> Result<(), ApiError> {
+    fn refuse_discard(&self, id: &str, what: &'static str) -> Result<(), VmmError> {
         let discards = self
             .vm()?
             .config
@@ -598,20 +557,16 @@ impl Vmm {
             .iter()
             .any(|p| p.id.as_deref() == Some(id) && p.discard_writes);
         if discards {
-            return Err(ApiError::new(
-                400,
-                format!(
-                    "pmem {id} has discard_writes: {what} is refused (the image is never \
-                     written, the guest's writes are discarded); remove the device or use \
-                     `pcow-img` on the image while no VM runs on it"
-                ),
-            ));
+            return Err(VmmError::Discarding {
+                id: id.to_owned(),
+                what,
+            });
         }
         Ok(())
     }
 
     /// The live pcow device `id`, when the machine runs.
-    fn live(&self, id: &str) -> Result<Option<&Pmem>, ApiError> {
+    fn live(&self, id: &str) -> Result<Option<&Pmem>, VmmError> {
         self.pcow_config(id)?;
         Ok(self
             .vm()?
@@ -620,32 +575,41 @@ impl Vmm {
             .and_then(|m| m.pmem.iter().find(|p| p.id == id)))
     }
 
-    fn offline_image(path: &Path) -> Result<pcow::Image, ApiError> {
-        pcow::Image::open(path, pcow::OpenOptions::read_write()).map_err(|e| {
-            ApiError::with_source(pcow_status(&e), format!("opening {}", path.display()), &e)
+    fn offline_image(path: &Path) -> Result<pcow::Image, VmmError> {
+        pcow::Image::open(path, pcow::OpenOptions::read_write()).map_err(|source| {
+            VmmError::OpenImage {
+                path: path.to_owned(),
+                source: Box::new(source),
+            }
         })
     }
 
-    fn pmem_snapshot(&mut self, r: PmemSnapshot) -> ApiResult {
+    fn pmem_snapshot(&mut self, r: PmemSnapshot) -> HandlerResult {
         self.refuse_discard(&r.id, "a snapshot")?;
         let info = match self.live(&r.id)? {
             Some(p) => p
                 .pcow()
-                .ok_or_else(|| ApiError::new(400, format!("{} is not a pcow device", r.id)))?
+                .ok_or_else(|| VmmError::NotPcow(r.id.clone()))?
                 .snapshot_create(&r.tag)
-                .map_err(|e| ApiError::with_source(barrier_status(&e), "pmem snapshot", &e))?,
+                .map_err(|source| VmmError::Barrier {
+                    what: "pmem snapshot",
+                    source,
+                })?,
             None => {
                 let path = self.pcow_config(&r.id)?;
                 let mut img = Self::offline_image(&path)?;
                 img.snapshot_create(&r.tag)
-                    .map_err(|e| ApiError::with_source(pcow_status(&e), "pmem snapshot", &e))?
+                    .map_err(|source| VmmError::Image {
+                        what: "pmem snapshot",
+                        source: Box::new(source),
+                    })?
             }
         };
         log::info!("pmem {}: snapshot {} ({})", r.id, info.id, info.tag);
         Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
     }
 
-    fn pmem_overlay(&mut self, r: PmemOverlay) -> ApiResult {
+    fn pmem_overlay(&mut self, r: PmemOverlay) -> HandlerResult {
         self.refuse_discard(&r.id, "an overlay")?;
         let Some(p) = self.live(&r.id)? else {
             return Err(wrong_state(
@@ -653,19 +617,10 @@ impl Vmm {
                  `pcow-img create -b BASE -F pcow FILE` and point the device at it",
             ));
         };
-        let region = p
-            .pcow()
-            .ok_or_else(|| ApiError::new(400, format!("{} is not a pcow device", r.id)))?;
-        let info = region.overlay(Path::new(&r.file)).map_err(|e| {
-            let status = match &e {
-                virtio_pmem_pcow::OverlayError::Exists { .. } => 409,
-                virtio_pmem_pcow::OverlayError::Path { .. } => 400,
-                // For one, a chain already at its depth limit.
-                virtio_pmem_pcow::OverlayError::Image { source, .. } => pcow_status(source),
-                _ => 500,
-            };
-            ApiError::with_source(status, "pmem overlay", &e)
-        })?;
+        let region = p.pcow().ok_or_else(|| VmmError::NotPcow(r.id.clone()))?;
+        let info = region
+            .overlay(Path::new(&r.file))
+            .map_err(VmmError::Overlay)?;
         // From now on (reboot, reset) the device is the overlay.
         if let Some(vm) = self.vm.as_mut() {
             if let Some(c) = vm
@@ -698,7 +653,7 @@ impl Vmm {
         })))
     }
 
-    fn pmem_rollback(&mut self, r: PmemRollback) -> ApiResult {
+    fn pmem_rollback(&mut self, r: PmemRollback) -> HandlerResult {
         self.refuse_discard(&r.id, "a rollback")?;
         let path = self.pcow_config(&r.id)?;
         let running = self.vm()?.machine.is_some();
@@ -716,30 +671,32 @@ impl Vmm {
                 force_share: true,
                 ..pcow::OpenOptions::default()
             };
-            let img = pcow::Image::open(&path, opts).map_err(|e| {
-                ApiError::with_source(500, format!("opening {}", path.display()), &e)
+            let img = pcow::Image::open(&path, opts).map_err(|source| VmmError::InspectImage {
+                path: path.clone(),
+                source: Box::new(source),
             })?;
             let known = img
                 .snapshots()
                 .iter()
                 .any(|s| s.tag == r.snapshot || s.id.to_string() == r.snapshot);
             if !known {
-                return Err(ApiError::new(
-                    404,
-                    format!(
-                        "{}: no snapshot with id or tag {:?}",
-                        path.display(),
-                        r.snapshot
-                    ),
-                ));
+                return Err(VmmError::NoSuchSnapshot {
+                    path,
+                    snapshot: r.snapshot,
+                });
             }
             drop(img);
-            self.stop_machine()
-                .map_err(|e| ApiError::new(500, format!("stopping the VM: {e}")))?;
+            self.stop_machine().map_err(|error| VmmError::Shutdown {
+                what: "stopping the VM",
+                error,
+            })?;
         }
         let applied = Self::offline_image(&path).and_then(|mut img| {
             img.snapshot_apply(&r.snapshot)
-                .map_err(|e| ApiError::with_source(pcow_status(&e), "pmem rollback", &e))
+                .map_err(|source| VmmError::Image {
+                    what: "pmem rollback",
+                    source: Box::new(source),
+                })
         });
         if let Ok(info) = &applied {
             log::info!(
@@ -758,28 +715,31 @@ impl Vmm {
         Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
     }
 
-    fn pmem_snapshot_delete(&mut self, r: PmemSnapshotDelete) -> ApiResult {
+    fn pmem_snapshot_delete(&mut self, r: PmemSnapshotDelete) -> HandlerResult {
         self.refuse_discard(&r.id, "deleting a snapshot")?;
         let info = match self.live(&r.id)? {
             Some(p) => p
                 .pcow()
-                .ok_or_else(|| ApiError::new(400, format!("{} is not a pcow device", r.id)))?
+                .ok_or_else(|| VmmError::NotPcow(r.id.clone()))?
                 .snapshot_delete(&r.snapshot)
-                .map_err(|e| {
-                    ApiError::with_source(barrier_status(&e), "pmem snapshot delete", &e)
+                .map_err(|source| VmmError::Barrier {
+                    what: "pmem snapshot delete",
+                    source,
                 })?,
             None => {
                 let path = self.pcow_config(&r.id)?;
                 let mut img = Self::offline_image(&path)?;
-                img.snapshot_delete(&r.snapshot).map_err(|e| {
-                    ApiError::with_source(pcow_status(&e), "pmem snapshot delete", &e)
-                })?
+                img.snapshot_delete(&r.snapshot)
+                    .map_err(|source| VmmError::Image {
+                        what: "pmem snapshot delete",
+                        source: Box::new(source),
+                    })?
             }
         };
         Ok(Some(json!({"id": r.id, "snapshot": snapshot_json(&info)})))
     }
 
-    fn pmem_flush(&mut self, id: &str) -> ApiResult {
+    fn pmem_flush(&mut self, id: &str) -> HandlerResult {
         let Some(p) = self.live(id)? else {
             return Err(wrong_state(format!(
                 "the VM is {}: nothing to flush (the image is closed)",
@@ -788,8 +748,11 @@ impl Vmm {
         };
         let stats = p
             .barrier()
-            .ok_or_else(|| ApiError::new(400, format!("{id} is not a pcow device")))?
-            .map_err(|e| ApiError::with_source(barrier_status(&e), "pmem flush", &e))?;
+            .ok_or_else(|| VmmError::NotPcow(id.to_owned()))?
+            .map_err(|source| VmmError::Barrier {
+                what: "pmem flush",
+                source,
+            })?;
         Ok(Some(json!({
             "id": id,
             "private_pages": stats.private_pages,
@@ -801,23 +764,22 @@ impl Vmm {
     /// `vm.power-button`: on a Running or Paused VM (as upstream: there the
     /// event waits for the resume). The guest decides what to do; a
     /// power-off then ends the VMM as any other.
-    fn power_button(&self) -> ApiResult {
+    fn power_button(&self) -> HandlerResult {
         let m = self.machine()?;
-        m.power_button()
-            .map_err(|e| ApiError::with_source(500, "vm.power-button", &e))?;
+        m.power_button().map_err(VmmError::PowerButton)?;
         log::info!("ACPI power button pressed");
         Ok(None)
     }
 
     /// `vm.nmi`: on a Running or Paused VM (as upstream; a paused vCPU
     /// takes it at the resume).
-    fn nmi(&self) -> ApiResult {
+    fn nmi(&self) -> HandlerResult {
         let n = self.machine()?.nmi();
         log::info!("NMI injected into {n} vCPU(s)");
         Ok(None)
     }
 
-    fn pmem_info(&self) -> ApiResult {
+    fn pmem_info(&self) -> HandlerResult {
         let vm = self.vm()?;
         let mut out = Vec::new();
         for c in vm.config.pmem() {
@@ -839,7 +801,7 @@ impl Vmm {
                 "chain": null,
                 "pending_private_pages": null,
                 "barriers": live.map(|p| p.barriers()),
-                "out_of_space": live.and_then(Pmem::out_of_space),
+                "out_of_space": live.and_then(Pmem::out_of_space).map(|o| o.to_string()),
                 "expansions": null,
             });
             let is_pcow = std::fs::File::open(&c.file)
@@ -847,9 +809,10 @@ impl Vmm {
                 .and_then(|f| pcow::is_pcow(&f).ok())
                 .unwrap_or(false);
             if let Some(region) = live.and_then(Pmem::pcow) {
-                let st = region
-                    .status()
-                    .map_err(|e| ApiError::with_source(500, format!("pmem {id}: status"), &e))?;
+                let st = region.status().map_err(|source| VmmError::Status {
+                    id: id.clone(),
+                    source,
+                })?;
                 entry["format"] = json!("pcow");
                 entry["virtual_size"] = json!(region.len());
                 entry["cluster_size"] = json!(region.cluster_size());
@@ -863,9 +826,12 @@ impl Vmm {
                     force_share: true,
                     ..pcow::OpenOptions::default()
                 };
-                let img = pcow::Image::open(&c.file, opts).map_err(|e| {
-                    ApiError::with_source(500, format!("pmem {id}: {}", c.file.display()), &e)
-                })?;
+                let img =
+                    pcow::Image::open(&c.file, opts).map_err(|source| VmmError::PmemInfo {
+                        id: id.clone(),
+                        path: c.file.clone(),
+                        source: Box::new(source),
+                    })?;
                 entry["format"] = json!("pcow");
                 entry["virtual_size"] = json!(img.virtual_size());
                 entry["cluster_size"] = json!(img.cluster_size());
@@ -881,7 +847,7 @@ impl Vmm {
 }
 
 impl RequestHandler for Vmm {
-    fn handle(&mut self, request: ApiRequest) -> ApiResult {
+    fn handle(&mut self, request: ApiRequest) -> HandlerResult {
         log::debug!("API request: {request:?}");
         match request {
             ApiRequest::VmmPing => Ok(Some(json!({
@@ -904,9 +870,7 @@ impl RequestHandler for Vmm {
                     return Err(wrong_state(format!("VM is {}, not Running", state.name())));
                 }
                 event("vm", "pausing", &[]);
-                m.ctl
-                    .pause()
-                    .map_err(|e| ApiError::with_source(500, "pausing the VM", &e))?;
+                m.ctl.pause().map_err(VmmError::Pause)?;
                 *state = VmState::Paused;
                 event("vm", "paused", &[]);
                 Ok(None)
@@ -914,19 +878,23 @@ impl RequestHandler for Vmm {
             ApiRequest::VmResume => self.resume(),
             ApiRequest::VmShutdown => {
                 self.machine_mut()?;
-                self.stop_machine()
-                    .map_err(|e| ApiError::new(500, format!("shutting the VM down: {e}")))?;
+                self.stop_machine().map_err(|error| VmmError::Shutdown {
+                    what: "shutting the VM down",
+                    error,
+                })?;
                 Ok(None)
             }
             ApiRequest::VmReboot => {
                 if self.vm()?.machine.is_none() {
-                    return Err(not_created());
+                    return Err(VmmError::NotCreated);
                 }
                 self.restart()
             }
             ApiRequest::VmDelete => {
-                self.stop_machine()
-                    .map_err(|e| ApiError::new(500, format!("shutting the VM down: {e}")))?;
+                self.stop_machine().map_err(|error| VmmError::Shutdown {
+                    what: "shutting the VM down",
+                    error,
+                })?;
                 if self.vm.take().is_some() {
                     event("vm", "deleted", &[]);
                 }

@@ -17,11 +17,14 @@
 //!    reply channel, and the API eventfd is written.
 //! 4. The VMM thread's epoll loop wakes on that eventfd and runs every
 //!    queued request through its [`RequestHandler`] (the VMM's state
-//!    machine in [`crate::vmm`]), in order, sending each result back.
+//!    machine in [`crate::vmm`]), in order. A failed action is a
+//!    [`VmmError`]; [`errors`] alone picks its status and chain. Each
+//!    result is sent back.
 //! 5. The connection thread writes the response in micro_http's bytes
 //!    (upstream's server): 200 with a JSON body, 204 without, or the error
 //!    status with the chain `["Error from API", what failed, why...]`.
 
+pub mod errors;
 pub mod http;
 pub mod routes;
 
@@ -33,6 +36,7 @@ use serde_json::Value;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::{PmemConfig, VmConfig};
+use crate::vmm_error::VmmError;
 
 /// `PUT vm.remove-device` (upstream's `VmRemoveDeviceData`), and the
 /// device of `vm.pmem-flush`.
@@ -218,8 +222,9 @@ fn unsupported_failure(action: &str) -> &'static str {
 pub const API_ERROR: &str = "Error from API";
 
 /// A failed request: the HTTP status and the error chain, outermost first.
-/// The VMM's handlers give the reasons only; [`ApiReceiver::serve`] puts
-/// [`API_ERROR`] and the action's [`ApiRequest::failure`] in front.
+/// The VMM's handlers fail with a [`VmmError`], which [`errors`] turns into
+/// this; [`ApiReceiver::serve`] puts [`API_ERROR`] and the action's
+/// [`ApiRequest::failure`] in front.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     /// 400, 404, 409, 413, 500 or 503.
@@ -253,13 +258,17 @@ impl ApiError {
     }
 }
 
-/// What a successful action answers: a JSON body (200) or nothing (204).
+/// What an action answers on the wire: a JSON body (200), nothing (204),
+/// or an error.
 pub type ApiResult = Result<Option<Value>, ApiError>;
+
+/// What the VMM's handler returns for an action.
+pub type HandlerResult = Result<Option<Value>, VmmError>;
 
 /// The VMM side of the API.
 pub trait RequestHandler {
     /// Carries out one action.
-    fn handle(&mut self, request: ApiRequest) -> ApiResult;
+    fn handle(&mut self, request: ApiRequest) -> HandlerResult;
 }
 
 /// A request with the channel its answer goes back on.
@@ -281,7 +290,8 @@ impl ApiReceiver {
         let mut n = 0;
         while let Ok((req, reply)) = self.rx.try_recv() {
             let failure = req.failure();
-            let r = handler.handle(req).map_err(|mut e| {
+            let r = handler.handle(req).map_err(|e| {
+                let mut e = errors::api_error(&e);
                 e.chain
                     .splice(0..0, [API_ERROR.to_owned(), failure.to_owned()]);
                 e
