@@ -116,7 +116,7 @@ fn write_cycle(data: &[u8]) {
     let img = r.unwrap_or_else(|e| {
         panic!(
             "the writer's result does not reopen strictly: {}",
-            check::error_chain(&e)
+            error_report::chain(&e)
         )
     });
     assert_eq!(read(&img, w0, w1 - w0), expect, "content after reopen");
@@ -129,7 +129,7 @@ fn write_cycle(data: &[u8]) {
     let img = r.unwrap_or_else(|e| {
         panic!(
             "the writer's result does not reopen leniently: {}",
-            check::error_chain(&e)
+            error_report::chain(&e)
         )
     });
     let rep = check::report(&img);

@@ -179,7 +179,7 @@ pub fn check(path: &Path, repair: Option<Repair>, force_share: bool) -> Result<C
             Err(e @ (Error::Io { .. } | Error::Locked { .. })) => return Err(e),
             // Our own image's fatal errors were handled above, so a format
             // error here comes from a base: the chain is broken.
-            Err(e) => r.corruptions.push(finding("R11", error_chain(&e))),
+            Err(e) => r.corruptions.push(finding("R11", error_report::chain(&e))),
         }
     }
     drop(img);
@@ -220,16 +220,4 @@ pub fn check(path: &Path, repair: Option<Repair>, force_share: bool) -> Result<C
         f.repaired = wanted(f);
     }
     Ok(r)
-}
-
-/// An error and its sources on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }

@@ -13,7 +13,8 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use pcow::check::{check, error_chain, CheckReport, Repair};
+use error_report::chain as error_chain;
+use pcow::check::{check, CheckReport, Repair};
 use pcow::{BaseFormat, BaseRef, CreateOptions, Error, FormatError, Image, OpenOptions};
 
 // ----- field offsets (spec: "Super cluster (header slot)") -----

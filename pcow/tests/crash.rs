@@ -556,7 +556,7 @@ fn lenient() -> OpenOptions {
 }
 
 fn err(e: pcow::Error) -> String {
-    pcow::check::error_chain(&e)
+    error_report::chain(&e)
 }
 
 fn read_all(img: &Image) -> Result<Vec<u8>, String> {

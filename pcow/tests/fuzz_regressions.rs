@@ -134,7 +134,7 @@ fn write_cycle_stays_valid(bytes: Vec<u8>) {
     .unwrap_or_else(|e| {
         panic!(
             "the writer's result does not reopen strictly: {}",
-            pcow::check::error_chain(&e)
+            error_report::chain(&e)
         )
     });
     let mut b = [0u8; 4096];

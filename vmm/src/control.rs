@@ -50,10 +50,6 @@ use crate::machine::{Machine, VirtioFn};
 use crate::pmem_threads::MonitorFailed;
 use crate::vcpu::{VcpuError, VcpuStop};
 
-/// An error and its sources on one line (the wording of every error the
-/// VMM reports).
-pub use pcow::check::error_chain;
-
 /// Why the control loop ended.
 #[derive(Debug)]
 pub enum Outcome {
@@ -594,7 +590,7 @@ pub fn stop(m: &mut Machine) -> Result<usize, StopError> {
     }
     for r in m.reap_vcpus() {
         if let Err(e) = r {
-            log::warn!("{}", error_chain(&e));
+            log::warn!("{}", error_report::chain(&e));
         }
     }
     m.stop_device_threads();

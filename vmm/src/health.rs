@@ -11,8 +11,6 @@
 
 use virtio_pmem_pcow::BarrierError;
 
-use pcow::check::error_chain;
-
 /// Why a pmem device waits for free space. Displayed as the VMM has
 /// always reported it (`vm.info`'s `pause_reason`, `vm.pmem-info`'s
 /// `out_of_space`, the `paused` event).
@@ -29,7 +27,7 @@ pub enum OutOfSpace {
     },
     /// A write fault got no cluster since the last barrier that
     /// succeeded (the guest's write waits in memory).
-    #[error("pmem {id}: {}", crate::control::error_chain(.why))]
+    #[error("pmem {id}: {}", error_report::chain(.why))]
     Fault {
         /// The device id.
         id: String,
@@ -47,7 +45,7 @@ pub enum OutOfSpace {
         error: BarrierError,
     },
     /// The barrier that should move what waited into the image failed.
-    #[error("pmem {id}: {}", error_chain(error))]
+    #[error("pmem {id}: {}", error_report::chain(error))]
     Barrier {
         /// The device id.
         id: String,

@@ -21,15 +21,14 @@
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::{IoEventAddress, NoDatamatch, VmFd};
 use pcow::TempOptions;
 use virtio_pmem_pcow::{
-    BarrierError, BarrierStats, FlushBackend, FlushError, Monitor, PcowRegion, PmemDevice,
-    RawRegion, RegionOptions,
+    BarrierError, BarrierStats, Monitor, PcowRegion, PmemBackend, PmemDevice, RawRegion,
+    RegionOptions,
 };
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -190,67 +189,6 @@ pub enum MachineError {
 /// The copy-on-write granularity: a barrier moves whole 4 KiB pages.
 const COW_PAGE: u64 = 4096;
 
-/// What the barriers of a pcow device did, for `vm.counters`.
-#[derive(Debug, Default)]
-pub struct BarrierCounts {
-    barriers: AtomicU64,
-    pages_copied: AtomicU64,
-}
-
-impl BarrierCounts {
-    fn add(&self, s: &BarrierStats) {
-        self.barriers.fetch_add(1, Ordering::Relaxed);
-        self.pages_copied
-            .fetch_add(s.pages_copied, Ordering::Relaxed);
-    }
-}
-
-/// The flush backend of a pmem device: the region is shared with the
-/// machine, which runs the final barrier and reports status.
-#[derive(Clone)]
-pub enum PmemBackend {
-    /// A pcow chain, and what its barriers did.
-    Pcow(Arc<PcowRegion>, Arc<BarrierCounts>),
-    /// A raw file (upstream behaviour).
-    Raw(Arc<RawRegion>),
-}
-
-impl PmemBackend {
-    /// Runs a barrier (raw: fsync), counting it.
-    fn barrier(&self) -> Result<Option<BarrierStats>, Box<dyn std::error::Error + Send + Sync>> {
-        match self {
-            PmemBackend::Pcow(r, n) => {
-                let s = r.barrier()?;
-                n.add(&s);
-                Ok(Some(s))
-            }
-            PmemBackend::Raw(r) => {
-                r.sync()?;
-                Ok(None)
-            }
-        }
-    }
-}
-
-impl FlushBackend for PmemBackend {
-    fn flush(&mut self) -> Result<(), FlushError> {
-        let stats = self.barrier().map_err(FlushError::from_error)?;
-        // One line per guest FLUSH, at debug level: what write tracking
-        // found is otherwise invisible (sandbox scenario 12 reads it).
-        if let Some(s) = stats {
-            log::debug!(
-                "pmem FLUSH barrier: found={} copied={} tracked={} held_us={} scan_us={}",
-                s.private_pages,
-                s.pages_copied,
-                s.tracked,
-                s.held.as_micros(),
-                s.scan.as_micros()
-            );
-        }
-        Ok(())
-    }
-}
-
 /// One pmem device of a machine.
 pub struct Pmem {
     // Field order is drop order: the device's threads stop first, then
@@ -291,17 +229,15 @@ impl Pmem {
     /// The pcow region (`None` for a raw file).
     pub fn pcow(&self) -> Option<&PcowRegion> {
         match &self.backend {
-            PmemBackend::Pcow(r, _) => Some(r),
+            PmemBackend::Pcow(r) => Some(r),
             PmemBackend::Raw(_) => None,
         }
     }
 
-    /// Barriers run so far (FLUSH requests, the API's, the final one).
+    /// Barriers that succeeded so far (FLUSH requests, the API's, the
+    /// final one).
     pub fn barriers(&self) -> u64 {
-        match &self.backend {
-            PmemBackend::Pcow(_, n) => n.barriers.load(Ordering::Relaxed),
-            PmemBackend::Raw(_) => 0,
-        }
+        self.pcow().map_or(0, |r| r.barrier_totals().barriers)
     }
 
     /// Why the guest must wait for free space on this device, if it must:
@@ -375,9 +311,10 @@ impl Pmem {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .counters();
-        if let PmemBackend::Pcow(_, n) = &self.backend {
-            let copied = n.pages_copied.load(Ordering::Relaxed);
-            c.push(("barriers", n.barriers.load(Ordering::Relaxed)));
+        if let Some(r) = self.pcow() {
+            let totals = r.barrier_totals();
+            let copied = totals.pages_copied;
+            c.push(("barriers", totals.barriers));
             c.push(("pages_copied", copied));
             c.push(("bytes_written", copied * COW_PAGE));
             if let Some(f) = self.monitor.as_ref().and_then(|m| m.counters().ok()) {
@@ -391,9 +328,17 @@ impl Pmem {
     /// A host-initiated barrier on a pcow device (an API flush); `None`
     /// for a raw file.
     pub fn barrier(&self) -> Option<Result<BarrierStats, BarrierError>> {
+        self.pcow().map(PcowRegion::barrier)
+    }
+
+    /// The barrier at the end of a run: pcow's, or fsync for a raw file.
+    fn final_barrier(&self) -> Result<Option<BarrierStats>, Box<dyn std::error::Error>> {
         match &self.backend {
-            PmemBackend::Pcow(r, n) => Some(r.barrier().inspect(|s| n.add(s))),
-            PmemBackend::Raw(_) => None,
+            PmemBackend::Pcow(r) => Ok(Some(r.barrier()?)),
+            PmemBackend::Raw(r) => {
+                r.sync()?;
+                Ok(None)
+            }
         }
     }
 }
@@ -650,7 +595,7 @@ impl Machine {
                     };
                     let (host, len) = (region.host_addr(), region.len());
                     (
-                        PmemBackend::Pcow(Arc::new(region), Arc::default()),
+                        PmemBackend::Pcow(Arc::new(region)),
                         Some(Arc::new(monitor)),
                         host,
                         len,
@@ -989,7 +934,7 @@ impl Machine {
     pub fn final_barriers(&self) -> usize {
         let mut failed = 0;
         for p in &self.pmem {
-            match p.backend.barrier() {
+            match p.final_barrier() {
                 Ok(Some(s)) => {
                     log::info!("pmem {}: final barrier: {s:?}", p.id);
                     // What the guest's accesses cost over the whole run:

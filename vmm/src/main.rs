@@ -223,7 +223,7 @@ fn run() -> Result<()> {
 
 /// A failed create or boot, on one line (as the API's chain would read).
 fn vmm_error(e: vmm::vmm_error::VmmError) -> anyhow::Error {
-    anyhow::Error::msg(vmm::control::error_chain(&e))
+    anyhow::Error::msg(error_report::chain(&e))
 }
 
 fn main() -> ExitCode {

@@ -85,10 +85,10 @@ impl DeviceAlerts {
     pub fn failed(&self, failure: MonitorFailed) {
         let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
         if f.is_none() {
-            log::error!("{}", crate::control::error_chain(&failure));
+            log::error!("{}", error_report::chain(&failure));
             *f = Some(failure);
         } else {
-            log::debug!("{}", crate::control::error_chain(&failure));
+            log::debug!("{}", error_report::chain(&failure));
         }
         drop(f);
         self.wake();
@@ -308,9 +308,9 @@ mod tests {
         let f = a.take().expect("a failure");
         assert_eq!(f.id, "pmem0");
         assert!(
-            crate::control::error_chain(&f).starts_with("pmem pmem0: image monitor: "),
+            error_report::chain(&f).starts_with("pmem pmem0: image monitor: "),
             "{}",
-            crate::control::error_chain(&f)
+            error_report::chain(&f)
         );
         assert!(a.take().is_none(), "later failures are logged only");
     }

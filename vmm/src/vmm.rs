@@ -39,7 +39,7 @@ use crate::api::{
 };
 use crate::chardev::Chardevs;
 use crate::config::{PmemConfig, VmConfig, MAX_VCPUS};
-use crate::control::{self, error_chain, Inputs, Outcome};
+use crate::control::{self, Inputs, Outcome};
 use crate::event_monitor::event;
 use crate::health::OutOfSpace;
 use crate::machine::{Machine, Pmem};
@@ -191,7 +191,10 @@ impl Vmm {
             // What started (device threads, vCPUs) stops before the
             // machine goes.
             if let Err(s) = control::stop(&mut m) {
-                log::error!("stopping a machine that did not start: {}", error_chain(&s));
+                log::error!(
+                    "stopping a machine that did not start: {}",
+                    error_report::chain(&s)
+                );
             }
             return Err(VmmError::Start(e));
         }
@@ -228,7 +231,7 @@ impl Vmm {
         loop {
             if let Some(exit) = self.exit.take() {
                 if let Err(e) = self.stop_machine() {
-                    return VmmExit::Failed(error_chain(&e));
+                    return VmmExit::Failed(error_report::chain(&e));
                 }
                 return exit;
             }
@@ -268,11 +271,11 @@ impl Vmm {
                 Outcome::Reset => {
                     log::info!("guest reset: booting again");
                     if let Err(e) = self.restart() {
-                        self.exit = Some(VmmExit::Failed(error_chain(&e)));
+                        self.exit = Some(VmmExit::Failed(error_report::chain(&e)));
                     }
                 }
                 Outcome::OutOfSpace(why) => self.pause_for_space(why),
-                Outcome::Failed(e) => self.exit = Some(VmmExit::Failed(error_chain(&e))),
+                Outcome::Failed(e) => self.exit = Some(VmmExit::Failed(error_report::chain(&e))),
             }
         }
     }
@@ -286,7 +289,7 @@ impl Vmm {
         let Some(m) = vm.machine.as_mut() else { return };
         if vm.state == VmState::Running {
             if let Err(e) = m.ctl.pause() {
-                log::error!("pausing the VM for space: {}", control::error_chain(&e));
+                log::error!("pausing the VM for space: {}", error_report::chain(&e));
                 return;
             }
             vm.state = VmState::Paused;

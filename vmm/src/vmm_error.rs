@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use crate::chardev::ChardevError;
 use crate::config::ValidationError;
-use crate::control::{error_chain, StopError};
+use crate::control::StopError;
 use crate::health::OutOfSpace;
 use crate::machine::MachineError;
 use crate::vcpu::VcpuError;
@@ -90,7 +90,7 @@ pub enum VmmError {
     #[error("pausing the VM")]
     Pause(#[source] VcpuError),
     /// Written as one message (`what: why`), as the VMM always answered.
-    #[error("{what}: {}", error_chain(error))]
+    #[error("{what}: {}", error_report::chain(error))]
     Shutdown {
         what: &'static str,
         error: ShutdownError,

@@ -32,10 +32,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pcow::{CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::Uffd;
-use virtio_pmem_pcow::{MonitorThread, PcowRegion, PmemDevice, RegionOptions};
+use virtio_pmem_pcow::{MonitorThread, PcowRegion, PmemBackend, PmemDevice, RegionOptions, Uffd};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
-use vmm::machine::{BarrierCounts, PmemBackend};
 use vmm::pci::{InterruptSink, Mmio64Window, PciBus, PmemVirtio, VirtioPciDevice, ECAM_BASE};
 use vmm::pmem_threads::{DeviceAlerts, QueueThread};
 use vmm::testguest::{Check, Report, TestGuest, TEST_PORT};
@@ -266,8 +264,8 @@ fn a_flush_barrier_completes_while_a_vcpu_is_blocked_in_a_fault_and_the_write_la
     // The device as the machine builds it: the pcow region as the flush
     // backend (a FLUSH is a barrier holding the vCPUs through `ctl`),
     // behind a virtio-pci function, its queue served by `pmem0-queue`.
-    let counts = Arc::new(BarrierCounts::default());
-    let backend = PmemBackend::Pcow(Arc::new(region), counts.clone());
+    let region = Arc::new(region);
+    let backend = PmemBackend::Pcow(region.clone());
     let pmem = PmemVirtio::new(PmemDevice::new(gpa, len, backend));
     let dev = VirtioPciDevice::new(
         Box::new(pmem),
@@ -409,7 +407,7 @@ fn a_flush_barrier_completes_while_a_vcpu_is_blocked_in_a_fault_and_the_write_la
             Ok(()) => "completed".to_owned(),
             Err(e) => chain(e),
         },
-        counts,
+        region.barrier_totals(),
         t0.elapsed()
     );
 }

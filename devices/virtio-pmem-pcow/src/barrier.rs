@@ -215,7 +215,7 @@ fn move_held(st: &mut RegionState, stats: &mut BarrierStats) -> Result<Moved, Ba
         Ok(()) => {
             // Only a saving: a barrier does not fail for it.
             if let Err(e) = p.rehole_zero_clusters(stats) {
-                log::warn!("{}", pcow::check::error_chain(&e));
+                log::warn!("{}", error_report::chain(&e));
             }
             Ok(Moved { harvest })
         }
@@ -305,7 +305,7 @@ fn finish(
         Ok(()) => image.finish_commit(commit),
         Err(e) => {
             if let Err(a) = image.abort_commit(commit) {
-                log::error!("{}", pcow::check::error_chain(&a));
+                log::error!("{}", error_report::chain(&a));
             }
             Err(e)
         }
@@ -334,7 +334,7 @@ pub(crate) fn barrier(
     shared: &Shared,
     quiesce: &dyn Quiesce,
 ) -> Result<BarrierStats, BarrierError> {
-    let _serial = shared.serialize();
+    let mut serial = shared.serialize();
     // Hold first, lock second: the monitor must be able to serve a
     // writer's fault while the hold waits for that writer.
     let held = hold(quiesce)?;
@@ -369,7 +369,10 @@ pub(crate) fn barrier(
         }
     };
     request_refill(&mut st);
-    r.map(|()| stats)
+    r?;
+    serial.barriers += 1;
+    serial.pages_copied += stats.pages_copied;
+    Ok(stats)
 }
 
 /// A whole barrier with writers held and the state lock held throughout

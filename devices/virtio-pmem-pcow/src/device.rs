@@ -174,7 +174,7 @@ impl<B: FlushBackend> PmemDevice<B> {
                                 // (and the barrier retried) after `unstall`.
                                 queue.set_next_avail(queue.next_avail().wrapping_sub(1));
                                 self.metrics.flush_stalls += 1;
-                                let msg = pcow::check::error_chain(&*e);
+                                let msg = error_report::chain(&*e);
                                 log::warn!("virtio-pmem flush waits for space: {msg}");
                                 self.stalled = Some(msg);
                                 break;
@@ -183,7 +183,7 @@ impl<B: FlushBackend> PmemDevice<B> {
                                 self.metrics.flush_errors += 1;
                                 log::error!(
                                     "virtio-pmem flush failed: {}",
-                                    pcow::check::error_chain(&*e)
+                                    error_report::chain(&*e)
                                 );
                                 RESP_EIO
                             }

@@ -296,7 +296,7 @@ fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolve
                     // image (or reports the same error).
                     let faults = &mut st.counters.faults;
                     if faults.fallbacks.is_power_of_two() {
-                        log::warn!("{}", pcow::check::error_chain(&e));
+                        log::warn!("{}", error_report::chain(&e));
                     }
                     faults.fallbacks += 1;
                     st.view

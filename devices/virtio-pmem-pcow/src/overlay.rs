@@ -48,7 +48,6 @@ use crate::clusters::{push_run, ClusterState, FileRun};
 use crate::health::Failure;
 use crate::quiesce::{hold, Quiesce};
 use crate::state::{NoImage, RegionState, Shared, Writable};
-use pcow::check::error_chain;
 
 /// The old image could not be reopened after a failed overlay.
 #[derive(Debug, thiserror::Error)]
@@ -397,7 +396,7 @@ fn recover(
     log::error!(
         "overlay onto {}: {}; reopening the old image",
         plan.file.display(),
-        error_chain(&cause)
+        error_report::chain(&cause)
     );
     // Our own locks would stop the reopen: the old description's (if the
     // failure came before its release), and the overlay's shared lock on
@@ -435,7 +434,7 @@ fn recover(
                     cause: Failure::new(cause),
                     source,
                 });
-                log::error!("{}", error_chain(&why));
+                log::error!("{}", error_report::chain(&why));
                 st.image = Writable::Detached(why.clone());
                 return OverlayError::Reopen(why);
             }

@@ -405,7 +405,7 @@ impl PoolCtl {
                         source,
                     });
                     if self.error.is_none() {
-                        log::error!("{}", pcow::check::error_chain(&e));
+                        log::error!("{}", error_report::chain(&e));
                     }
                     self.error = Some(e);
                     self.failed = Some((d.offset, d.len));

@@ -182,8 +182,15 @@ impl RawRegion {
     }
 }
 
+impl RawRegion {
+    /// The guest's FLUSH: fdatasync.
+    pub(crate) fn flush_request(&self) -> Result<(), FlushError> {
+        self.sync().map_err(|e| FlushError::from_error(Box::new(e)))
+    }
+}
+
 impl FlushBackend for RawRegion {
     fn flush(&mut self) -> Result<(), FlushError> {
-        self.sync().map_err(|e| FlushError::from_error(Box::new(e)))
+        self.flush_request()
     }
 }

@@ -21,7 +21,8 @@ use crate::mapping::vmas_in;
 use crate::overlay::{self, OverlayError, OverlayInfo};
 use crate::pool::{PoolOptions, PoolStatus};
 use crate::quiesce::Quiesce;
-use crate::state::{FaultCounters, Shared, Writable};
+use crate::raw::RawRegion;
+use crate::state::{BarrierTotals, FaultCounters, Shared, Writable};
 
 /// A pcow chain mapped as one host region, with its barrier.
 ///
@@ -320,10 +321,52 @@ impl PcowRegion {
     }
 }
 
+impl PcowRegion {
+    /// What the barriers that succeeded did so far.
+    pub fn barrier_totals(&self) -> BarrierTotals {
+        *self.shared.serialize()
+    }
+
+    /// The guest's FLUSH: a barrier, logged at debug level (one line per
+    /// FLUSH: what write tracking found is otherwise invisible; the
+    /// sandbox's scenario 12 reads it).
+    fn flush_request(&self) -> Result<(), FlushError> {
+        let s = self
+            .barrier()
+            .map_err(|e| FlushError::from_error(Box::new(e)))?;
+        log::debug!(
+            "pmem FLUSH barrier: found={} copied={} tracked={} held_us={} scan_us={}",
+            s.private_pages,
+            s.pages_copied,
+            s.tracked,
+            s.held.as_micros(),
+            s.scan.as_micros()
+        );
+        Ok(())
+    }
+}
+
 impl FlushBackend for PcowRegion {
     fn flush(&mut self) -> Result<(), FlushError> {
-        self.barrier()
-            .map(|_| ())
-            .map_err(|e| FlushError::from_error(Box::new(e)))
+        self.flush_request()
+    }
+}
+
+/// The backend of a device that may be either kind, shared with whoever
+/// runs host-initiated barriers and reads the status (a VMM).
+#[derive(Debug, Clone)]
+pub enum PmemBackend {
+    /// A pcow chain.
+    Pcow(Arc<PcowRegion>),
+    /// A raw file (upstream's behaviour).
+    Raw(Arc<RawRegion>),
+}
+
+impl FlushBackend for PmemBackend {
+    fn flush(&mut self) -> Result<(), FlushError> {
+        match self {
+            PmemBackend::Pcow(r) => r.flush_request(),
+            PmemBackend::Raw(r) => r.flush_request(),
+        }
     }
 }

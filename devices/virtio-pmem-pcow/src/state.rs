@@ -153,8 +153,19 @@ pub(crate) fn top_fd(image: &pcow::Image) -> io::Result<RawFd> {
 pub(crate) struct Shared {
     state: Mutex<RegionState>,
     /// Serializes barriers, snapshots and overlays (taken before writers
-    /// are held and before the state lock).
-    barriers: Mutex<()>,
+    /// are held and before the state lock), and counts the barriers that
+    /// succeeded.
+    barriers: Mutex<BarrierTotals>,
+}
+
+/// What the barriers of a device did so far (FLUSHes and host-initiated
+/// barriers that succeeded; snapshots and overlays not counted).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BarrierTotals {
+    /// Barriers that succeeded.
+    pub barriers: u64,
+    /// Pages they wrote into the image.
+    pub pages_copied: u64,
 }
 
 /// The region state lock was poisoned by a panic.
@@ -166,7 +177,7 @@ impl Shared {
     pub(crate) fn new(state: RegionState) -> Shared {
         Shared {
             state: Mutex::new(state),
-            barriers: Mutex::new(()),
+            barriers: Mutex::new(BarrierTotals::default()),
         }
     }
 
@@ -176,9 +187,11 @@ impl Shared {
         self.state.lock().map_err(|_| Poisoned)
     }
 
-    /// The barrier lock: one barrier, snapshot or overlay at a time.
-    pub(crate) fn serialize(&self) -> MutexGuard<'_, ()> {
-        // It guards nothing but the order: a panic leaves nothing broken.
+    /// The barrier lock: one barrier, snapshot or overlay at a time; it
+    /// holds the barrier totals.
+    pub(crate) fn serialize(&self) -> MutexGuard<'_, BarrierTotals> {
+        // It guards the order and two counters: a panic leaves nothing
+        // broken.
         self.barriers.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -25,13 +25,7 @@ pub fn api_error(e: &VmmError) -> ApiError {
 /// The error and its sources, one element each. A variant whose message
 /// already holds its cause (a shutdown that failed) is one element.
 fn chain(e: &VmmError) -> Vec<String> {
-    let mut chain = Vec::new();
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(x) = cur {
-        chain.push(x.to_string());
-        cur = x.source();
-    }
-    chain
+    error_report::messages(e)
 }
 
 /// The status `e` answers with.

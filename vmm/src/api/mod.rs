@@ -249,11 +249,7 @@ impl ApiError {
         err: &(dyn std::error::Error + 'static),
     ) -> ApiError {
         let mut chain = vec![what.into()];
-        let mut e: Option<&(dyn std::error::Error + 'static)> = Some(err);
-        while let Some(x) = e {
-            chain.push(x.to_string());
-            e = x.source();
-        }
+        chain.extend(error_report::messages(err));
         ApiError { status, chain }
     }
 }
