@@ -387,6 +387,9 @@ fn a_flush_barrier_completes_while_a_vcpu_is_blocked_in_a_fault_and_the_write_la
     drop(bus);
     drop(dev);
     drop(monitor);
+    let totals = region.barrier_totals();
+    assert_eq!(totals.barriers, 2, "{totals:?}");
+    drop(region);
 
     // The image: clean, the write in it, zeros around it.
     let report = pcow::check::check(&path, None, false).expect("check");
@@ -407,7 +410,7 @@ fn a_flush_barrier_completes_while_a_vcpu_is_blocked_in_a_fault_and_the_write_la
             Ok(()) => "completed".to_owned(),
             Err(e) => chain(e),
         },
-        region.barrier_totals(),
+        totals,
         t0.elapsed()
     );
 }
