@@ -30,7 +30,8 @@
 //! - `fault`: fault resolution and the [`Monitor`]; `barrier`: the
 //!   barrier; `overlay`: live overlays; [`MonitorThread`]: the monitor's
 //!   thread;
-//! - `region`: [`PcowRegion`], the facade.
+//! - `region`: [`PcowRegion`], the facade, and [`PmemBackend`] (either
+//!   kind of device as a [`FlushBackend`], for a VMM).
 //!
 //! # Threads
 //!
@@ -44,7 +45,7 @@
 //! # Locks, in the order they are taken
 //!
 //! 1. the barrier lock (`Shared::serialize`): one barrier, snapshot or
-//!    overlay of a device at a time;
+//!    overlay of a device at a time; it also holds the [`BarrierTotals`];
 //! 2. the writers' hold ([`Quiesce::hold`], the VMM pauses its vCPUs):
 //!    taken without the state lock, so the monitor serves the faults of
 //!    the writers the hold waits for;
