@@ -18,8 +18,8 @@ use vmm::pci::bus::{PciBusState, CONFIG_ADDRESS_PORT};
 use vmm::pci::console::ConsoleInputState;
 use vmm::pci::virtio_pci::{VirtioPciState, COMMON_OFFSET, ISR_OFFSET, NOTIFY_OFFSET};
 use vmm::pci::{
-    BarMove, ConsoleInput, InterruptSink, Mmio64Window, MsixEntry, PciBus, PmemVirtio,
-    VirtioPciDevice,
+    BarMove, ConsoleDevice, ConsoleInput, InterruptSink, Mmio64Window, MsixEntry, PciBus,
+    PciDevice, PmemVirtio, VirtioPciDevice,
 };
 use vmm::snapshot::device_state::{
     DeviceState, DeviceStates, DeviceStatesError, StateError, POWER_ID,
@@ -652,4 +652,75 @@ fn power_pci_bus_and_console_input_survive_a_restore() {
         all.take_console_input(POWER_ID),
         Err(DeviceStatesError::Kind { .. })
     ));
+}
+
+/// A virtio console function (no bus: driven through its BAR directly),
+/// its input, and its RAM.
+fn console_fn() -> (VirtioPciDevice, Arc<Mutex<ConsoleInput>>, GuestMemoryMmap) {
+    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM as usize)]).unwrap();
+    let input = ConsoleInput::shared();
+    let dev = ConsoleDevice::new(None, input.clone());
+    let f = VirtioPciDevice::new(Box::new(dev), mem.clone(), Arc::new(Sink::default())).unwrap();
+    (f, input, mem)
+}
+
+/// A device-writable receive buffer of `len` bytes at `addr` as
+/// descriptor and avail entry `slot` of the receive queue.
+fn post_rx(mem: &GuestMemoryMmap, slot: u16, addr: u64, len: u32) {
+    let at = DESC + 16 * u64::from(slot);
+    mem.write_obj(addr, GuestAddress(at)).unwrap();
+    mem.write_obj(len, GuestAddress(at + 8)).unwrap();
+    mem.write_obj(2u16, GuestAddress(at + 12)).unwrap(); // WRITE
+    mem.write_obj(slot, GuestAddress(AVAIL + 4 + 2 * u64::from(slot)))
+        .unwrap();
+    mem.write_obj(slot + 1, GuestAddress(AVAIL + 2)).unwrap();
+}
+
+#[test]
+fn console_queues_and_pending_input_continue_after_a_restore() {
+    let (mut a, input, mem) = console_fn();
+    let w = |f: &mut VirtioPciDevice, off: u64, v: &[u8]| f.write_bar(0, off, v);
+    w(&mut a, STATUS, &[3]);
+    w(&mut a, GFSEL, &1u32.to_le_bytes());
+    w(&mut a, GF, &1u32.to_le_bytes()); // VERSION_1
+    w(&mut a, STATUS, &[11]);
+    for (q, base) in [(0u16, 0u64), (1, 0x8000)] {
+        w(&mut a, Q_SELECT, &q.to_le_bytes());
+        w(&mut a, Q_SIZE, &QSIZE.to_le_bytes());
+        w(&mut a, Q_DESC, &(DESC + base).to_le_bytes());
+        w(&mut a, Q_DRIVER, &(AVAIL + base).to_le_bytes());
+        w(&mut a, Q_DEVICE, &(USED + base).to_le_bytes());
+        w(&mut a, Q_ENABLE, &1u16.to_le_bytes());
+    }
+    w(&mut a, STATUS, &[ALL_OK]);
+    assert!(a.is_active());
+    post_rx(&mem, 0, REQ, 4);
+    post_rx(&mem, 1, REQ + 0x1000, 8);
+    input.lock().unwrap().push(b"abcd");
+    a.notify_queue(0);
+    assert_eq!(used_idx(&mem), 1);
+    // Typed while the VM is paused: waits in the input.
+    input.lock().unwrap().push(b"ef");
+    let saved = json(&a.state());
+    let saved_input = json(&input.lock().unwrap().state());
+    assert_eq!(saved.queues.len(), 2);
+    assert_eq!(
+        (saved.queues[0].next_avail, saved.queues[0].next_used),
+        (1, 1)
+    );
+
+    let (mut b, input_b, mem_b) = console_fn();
+    copy_ram(&mem, &mem_b);
+    b.restore(saved.clone(), Mmio64Window::above(0)).unwrap();
+    input_b.lock().unwrap().restore(&saved_input).unwrap();
+    assert_eq!(b.state(), saved);
+    b.notify_queue(0);
+    assert_eq!(used_idx(&mem_b), 2);
+    assert_eq!(used_elem(&mem_b, 1), (1, 2), "slot 1, the two bytes typed");
+    let mut got = [0u8; 2];
+    mem_b
+        .read_slice(&mut got, GuestAddress(REQ + 0x1000))
+        .unwrap();
+    assert_eq!(&got, b"ef");
+    assert!(input_b.lock().unwrap().is_empty());
 }
