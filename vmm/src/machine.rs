@@ -1114,4 +1114,14 @@ impl Machine {
         lock_state(&self.bus).announce_bars();
         Ok(())
     }
+
+    /// Serves every queue of each activated virtio-pci function once (see
+    /// [`VirtioPciDevice::serve_restored_queues`]): call after
+    /// [`Machine::restore_devices`], once the guest RAM, vCPU and irqchip
+    /// states are restored too, just before the vCPUs run.
+    pub fn serve_restored_queues(&self) {
+        for (_, f) in self.virtio_functions() {
+            lock_state(f).serve_restored_queues();
+        }
+    }
 }

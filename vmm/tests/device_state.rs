@@ -724,3 +724,27 @@ fn console_queues_and_pending_input_continue_after_a_restore() {
     assert_eq!(&got, b"ef");
     assert!(input_b.lock().unwrap().is_empty());
 }
+
+#[test]
+fn a_request_pending_at_the_snapshot_is_served_after_the_restore() {
+    let a = busy_bench();
+    // Made available, its notification not yet served by the device.
+    post_flush(&a.mem, 2);
+    let saved = a.dev.lock().unwrap().state();
+    let b = Bench::new();
+    copy_ram(&a.mem, &b.mem);
+    let window = b.bus.window();
+    b.dev.lock().unwrap().restore(saved, window).unwrap();
+    assert_eq!(used_idx(&b.mem), 2);
+    b.dev.lock().unwrap().serve_restored_queues();
+    assert_eq!(used_idx(&b.mem), 3);
+    assert_eq!(*b.flushes.lock().unwrap(), 1);
+    assert_eq!(b.sink.take(), vec![1]);
+    // Nothing more to serve: a second call changes nothing.
+    b.dev.lock().unwrap().serve_restored_queues();
+    assert_eq!(used_idx(&b.mem), 3);
+    // An inactive function serves nothing.
+    let c = Bench::new();
+    c.dev.lock().unwrap().serve_restored_queues();
+    assert_eq!(*c.flushes.lock().unwrap(), 0);
+}

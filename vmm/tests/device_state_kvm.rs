@@ -106,6 +106,7 @@ fn machine_device_states_round_trip_and_mismatches_are_refused() {
 
     let mut b = build(&kernel);
     b.restore_devices(json(&states)).unwrap();
+    b.serve_restored_queues();
     assert_eq!(b.device_states(), states);
     assert_eq!(b.console.as_ref().unwrap().input.lock().unwrap().len(), 5);
 

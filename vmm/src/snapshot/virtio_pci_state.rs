@@ -320,4 +320,19 @@ impl VirtioPciDevice {
         }
         Ok(())
     }
+
+    /// Serves every queue of an activated function once. For a restored
+    /// function, once the guest RAM, vCPUs and irqchip are restored and
+    /// just before the vCPUs run: a request the driver made available and
+    /// notified before the snapshot but the device had not served yet (a
+    /// notification in flight, a pmem FLUSH put back while it waited for
+    /// space) would otherwise wait for a notification already sent.
+    pub fn serve_restored_queues(&mut self) {
+        if !self.active {
+            return;
+        }
+        for q in 0..self.queues.len() as u16 {
+            self.notify_queue(q);
+        }
+    }
 }
