@@ -748,3 +748,85 @@ fn a_request_pending_at_the_snapshot_is_served_after_the_restore() {
     c.dev.lock().unwrap().serve_restored_queues();
     assert_eq!(*c.flushes.lock().unwrap(), 0);
 }
+
+/// Every number of `v` replaced, one at a time, by each extreme value.
+fn mutations(v: &serde_json::Value) -> Vec<serde_json::Value> {
+    const EXTREMES: [u64; 7] = [0, 1, 3, 0xff, 0xffff, 0xffff_ffff, u64::MAX];
+    fn walk(v: &serde_json::Value, path: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, x) in m {
+                    path.push(k.clone());
+                    walk(x, path, out);
+                    path.pop();
+                }
+            }
+            serde_json::Value::Array(a) => {
+                for (i, x) in a.iter().enumerate() {
+                    path.push(i.to_string());
+                    walk(x, path, out);
+                    path.pop();
+                }
+            }
+            serde_json::Value::Number(_) | serde_json::Value::Bool(_) => out.push(path.clone()),
+            _ => {}
+        }
+    }
+    let mut paths = Vec::new();
+    walk(v, &mut Vec::new(), &mut paths);
+    let mut out = Vec::new();
+    for p in paths {
+        let pointer = format!("/{}", p.join("/"));
+        for x in EXTREMES {
+            let mut m = v.clone();
+            *m.pointer_mut(&pointer).unwrap() = serde_json::json!(x);
+            out.push(m);
+        }
+    }
+    out
+}
+
+#[test]
+fn no_mutated_state_panics_a_restore() {
+    let a = busy_bench();
+    let good = serde_json::to_value(a.dev.lock().unwrap().state()).unwrap();
+    let mut tried = 0;
+    let mut refused = 0;
+    let mut cases = mutations(&good);
+    // And every config space byte set to all ones.
+    let hex = good["config"]["bytes"].as_str().unwrap().to_owned();
+    for i in 0..hex.len() / 2 {
+        let mut m = good.clone();
+        let mut h = hex.clone();
+        h.replace_range(2 * i..2 * i + 2, "ff");
+        m["config"]["bytes"] = serde_json::json!(h);
+        cases.push(m);
+    }
+    for m in cases {
+        let Ok(state) = serde_json::from_value::<VirtioPciState>(m) else {
+            continue;
+        };
+        let b = Bench::new();
+        let window = b.bus.window();
+        tried += 1;
+        if b.dev.lock().unwrap().restore(state, window).is_err() {
+            refused += 1;
+        } else {
+            // Whatever was accepted, the function keeps answering.
+            b.dev.lock().unwrap().serve_restored_queues();
+            let _ = b.dev.lock().unwrap().state();
+        }
+    }
+    assert!(tried > 300, "{tried} states tried");
+    assert!(refused > 50, "{refused} of {tried} refused");
+
+    let (s, _, _) = serial();
+    let good = serde_json::to_value(s.state()).unwrap();
+    for m in mutations(&good) {
+        if let Ok(state) = serde_json::from_value::<SerialDeviceState>(m) {
+            let (mut d, _, _) = serial();
+            let _ = d.restore(&state);
+            inb(&mut d, 0x3f8);
+        }
+    }
+}
