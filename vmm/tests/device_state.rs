@@ -567,6 +567,27 @@ fn serial_registers_and_fifo_survive_a_restore() {
     outb(&mut b, 0x3f8, b'!');
     assert_eq!(&*out.0.lock().unwrap(), b"!", "output goes to the new sink");
     assert_eq!(b.enqueue_input(b"more").unwrap(), 4);
+    assert_eq!(
+        irq.0.load(Ordering::SeqCst),
+        2,
+        "later edges reach the line"
+    );
+
+    // A line that fails: the state is restored all the same, the output
+    // kept, and the error says why.
+    struct Fails;
+    impl IrqTrigger for Fails {
+        fn trigger(&self) -> io::Result<()> {
+            Err(io::Error::other("irqfd gone"))
+        }
+    }
+    let out = Buf::default();
+    let mut c = SerialDevice::new(SerialOutput::Writer(Box::new(out.clone())), Box::new(Fails));
+    let e = c.restore(&saved).unwrap_err();
+    assert!(matches!(e, StateError::SerialIrq(_)), "{e}");
+    assert_eq!(c.state(), saved);
+    outb(&mut c, 0x3f8, b'k');
+    assert_eq!(&*out.0.lock().unwrap(), b"k");
 
     let with = |f: &dyn Fn(&mut SerialDeviceState)| {
         let mut s = saved.clone();

@@ -100,7 +100,7 @@ pub enum StateError {
     },
     #[error("activating the device with its saved queues")]
     Activate(#[source] VirtioError),
-    #[error("raising the serial interrupt after the restore (the output now goes nowhere)")]
+    #[error("raising the serial interrupt pending in the restored state (the state is restored)")]
     SerialIrq(#[source] std::io::Error),
 }
 

@@ -2,11 +2,15 @@
 //! through vm-superio's [`vm_superio::serial::SerialState`] (a child module
 //! of `legacy::serial`, kept under `snapshot/`).
 
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::Serial;
 
-use super::{Irq, SerialDevice, SerialOutput};
+use super::{Irq, IrqTrigger, SerialDevice, SerialOutput};
 use crate::snapshot::device_state::{hex_bytes, StateError};
 
 /// The receive FIFO's size (vm-superio's 16550A).
@@ -15,6 +19,25 @@ const FIFO_SIZE: usize = 64;
 const IER_VALID: u8 = 0x0f;
 /// LSR data ready.
 const LSR_DR: u8 = 0x01;
+
+/// The UART's line while a restore rebuilds it: edges are counted until
+/// it opens, then passed on.
+struct Gate {
+    line: Arc<dyn IrqTrigger>,
+    open: AtomicBool,
+    held: AtomicU64,
+}
+
+impl IrqTrigger for Gate {
+    fn trigger(&self) -> io::Result<()> {
+        if self.open.load(Ordering::SeqCst) {
+            self.line.trigger()
+        } else {
+            self.held.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+}
 
 /// The saved UART (vm-superio's [`SerialState`], in serde form).
 #[allow(missing_docs)] // the 8250 register names
@@ -55,7 +78,8 @@ impl SerialDevice {
 
     /// Restores `s` (checked first), keeping this device's output and
     /// interrupt line. An interrupt the guest had pending and enabled is
-    /// raised again (vm-superio's `from_state`).
+    /// raised again (vm-superio's `from_state`); if raising it fails, the
+    /// state is restored all the same and the error says so.
     pub fn restore(&mut self, s: &SerialDeviceState) -> Result<(), StateError> {
         if s.in_buffer.len() > FIFO_SIZE {
             return Err(StateError::TooLong {
@@ -91,24 +115,37 @@ impl SerialDevice {
             in_buffer: s.in_buffer.clone(),
         };
         let line = self.uart.interrupt_evt().0.clone();
-        let old = std::mem::replace(
-            &mut self.uart,
-            Serial::new(Irq(line.clone()), SerialOutput::Null),
-        );
+        // vm-superio's `from_state` raises the interrupts the state has
+        // pending and enabled, and on a failed edge would drop the output
+        // with its error: the gate holds the edges until the UART is
+        // whole, then passes them (and every later one) to the line.
+        let gate = Arc::new(Gate {
+            line: line.clone(),
+            open: AtomicBool::new(false),
+            held: AtomicU64::new(0),
+        });
+        let old = std::mem::replace(&mut self.uart, Serial::new(Irq(line), SerialOutput::Null));
         let out = old.into_writer();
-        // The FIFO length was checked: only raising the interrupt can fail
-        // (an eventfd write), and the output is then gone with the error.
-        self.uart = Serial::from_state(&state, Irq(line), NoEvents, out).map_err(|e| match e {
-            vm_superio::serial::Error::Trigger(e) | vm_superio::serial::Error::IOError(e) => {
+        // Neither error can happen: the FIFO length was checked and the
+        // gate's trigger never fails while closed.
+        self.uart =
+            Serial::from_state(&state, Irq(gate.clone()), NoEvents, out).map_err(|e| match e {
+                vm_superio::serial::Error::Trigger(e) | vm_superio::serial::Error::IOError(e) => {
+                    StateError::SerialIrq(e)
+                }
+                vm_superio::serial::Error::FullFifo => StateError::TooLong {
+                    field: "in_buffer",
+                    len: state.in_buffer.len(),
+                    max: FIFO_SIZE,
+                },
+            })?;
+        gate.open.store(true, Ordering::SeqCst);
+        for _ in 0..gate.held.swap(0, Ordering::SeqCst) {
+            if let Err(e) = gate.line.trigger() {
                 self.stats.irq_errors += 1;
-                StateError::SerialIrq(e)
+                return Err(StateError::SerialIrq(e));
             }
-            vm_superio::serial::Error::FullFifo => StateError::TooLong {
-                field: "in_buffer",
-                len: state.in_buffer.len(),
-                max: FIFO_SIZE,
-            },
-        })?;
+        }
         Ok(())
     }
 }
