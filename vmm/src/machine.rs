@@ -481,6 +481,8 @@ pub struct Machine {
     /// The ACPI Generic Event Device's interrupt (an irqfd on
     /// [`acpi::GED_GSI`]): the power button.
     ged: EventFd,
+    /// The power ports (kept for their snapshot state).
+    power_device: Arc<Mutex<PowerDevice>>,
     bus: Arc<Mutex<PciBus>>,
     ports: crate::legacy::ports::PortBus,
     _router: Arc<GsiRouter>,
@@ -719,8 +721,9 @@ impl Machine {
         if let Some(s) = &serial {
             ports.add_serial(s.clone()).map_err(MachineError::Ports)?;
         }
+        let power_device = PowerDevice::new(power_tx).shared();
         ports
-            .add_power(PowerDevice::new(power_tx).shared())
+            .add_power(power_device.clone())
             .map_err(MachineError::Ports)?;
         ports
             .add_pci_config(PciConfigIo::new(bus.clone()))
@@ -777,6 +780,7 @@ impl Machine {
             ctl,
             pause_reason: None,
             ged,
+            power_device,
             bus,
             ports,
             _router: router,
@@ -962,5 +966,107 @@ impl Machine {
             }
         }
         failed
+    }
+}
+
+// ---- Snapshot device state (issue 17, the "devstate" piece) ----
+
+use crate::snapshot::device_state::{
+    virtio_pci_id, DeviceState, DeviceStates, DeviceStatesError, PCI_BUS_ID, POWER_ID, SERIAL_ID,
+};
+
+/// Locks `m`, through a poisoned lock (the state is still read whole).
+fn lock_state<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Machine {
+    /// The virtio-pci functions: (device id, function), console, rng,
+    /// then pmem as built.
+    fn virtio_functions(&self) -> Vec<(&str, &Arc<Mutex<VirtioPciDevice>>)> {
+        let mut v: Vec<(&str, &Arc<Mutex<VirtioPciDevice>>)> = Vec::new();
+        if let Some(c) = &self.console {
+            v.push((c.function.id, &c.function.virtio));
+        }
+        v.push((self.rng.id, &self.rng.virtio));
+        for p in &self.pmem {
+            v.push((p.id.as_str(), &p.virtio));
+        }
+        v
+    }
+
+    /// The state of every device (serial, power ports, PCI bus, each
+    /// virtio-pci function, the console's input), by device id. Call with
+    /// the vCPUs paused and the device threads idle.
+    pub fn device_states(&self) -> DeviceStates {
+        let mut s = DeviceStates::new();
+        if let Some(serial) = &self.serial {
+            let st = lock_state(serial).state();
+            s.insert(SERIAL_ID, DeviceState::Serial(st));
+        }
+        let power = lock_state(&self.power_device).state();
+        s.insert(POWER_ID, DeviceState::Power(power));
+        let bus = lock_state(&self.bus).state();
+        s.insert(PCI_BUS_ID, DeviceState::PciBus(bus));
+        for (id, f) in self.virtio_functions() {
+            let st = lock_state(f).state();
+            s.insert(virtio_pci_id(id), DeviceState::VirtioPci(Box::new(st)));
+        }
+        if let Some(c) = &self.console {
+            let st = lock_state(&c.input).state();
+            s.insert(c.function.id, DeviceState::ConsoleInput(st));
+        }
+        s
+    }
+
+    /// Restores `states` into this machine, built from the same config
+    /// and not started: every device of the machine must have its state,
+    /// and every state its device. Each device checks its state before
+    /// changing; a machine whose restore failed half-way must be dropped.
+    /// Ends by registering the notify ioeventfds where the restored BARs
+    /// decode.
+    pub fn restore_devices(&mut self, mut states: DeviceStates) -> Result<(), DeviceStatesError> {
+        let at = |id: &str| {
+            let id = id.to_owned();
+            move |source| DeviceStatesError::Device { id, source }
+        };
+        if let Some(serial) = &self.serial {
+            let st = states.take_serial(SERIAL_ID)?;
+            lock_state(serial).restore(&st).map_err(at(SERIAL_ID))?;
+        }
+        let st = states.take_power(POWER_ID)?;
+        lock_state(&self.power_device)
+            .restore(&st)
+            .map_err(at(POWER_ID))?;
+        let st = states.take_pci_bus(PCI_BUS_ID)?;
+        let window = {
+            let mut bus = lock_state(&self.bus);
+            bus.restore(&st).map_err(at(PCI_BUS_ID))?;
+            bus.window()
+        };
+        for (id, f) in self.virtio_functions() {
+            let fid = virtio_pci_id(id);
+            let st = states.take_virtio_pci(&fid)?;
+            lock_state(f).restore(*st, window).map_err(at(&fid))?;
+        }
+        if let Some(c) = &self.console {
+            let st = states.take_console_input(c.function.id)?;
+            lock_state(&c.input)
+                .restore(&st)
+                .map_err(at(c.function.id))?;
+        }
+        states.finish()?;
+        lock_state(&self.bus).announce_bars();
+        Ok(())
+    }
+
+    /// Serves every queue of each activated virtio-pci function once (see
+    /// [`VirtioPciDevice::serve_restored_queues`]): call after
+    /// [`Machine::restore_devices`], once the guest RAM, vCPU and irqchip
+    /// states are restored too, just before the vCPUs run.
+    pub fn serve_restored_queues(&self) {
+        for (_, f) in self.virtio_functions() {
+            lock_state(f).serve_restored_queues();
+        }
     }
 }

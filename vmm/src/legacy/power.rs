@@ -198,6 +198,11 @@ impl PortIo for PowerDevice {
     }
 }
 
+// Snapshot state (issue 17): capture and restore, kept under snapshot/.
+#[path = "../snapshot/power_state.rs"]
+mod state;
+pub use state::PowerState;
+
 #[cfg(test)]
 mod tests {
     use super::*;

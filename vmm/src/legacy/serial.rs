@@ -83,7 +83,8 @@ impl IrqTrigger for EventFd {
 }
 
 /// The trait object as vm-superio's [`Trigger`].
-struct Irq(Box<dyn IrqTrigger>);
+// An `Arc` so that a snapshot restore can rebuild the UART on the same line.
+struct Irq(Arc<dyn IrqTrigger>);
 
 impl Trigger for Irq {
     type E = io::Error;
@@ -218,7 +219,7 @@ impl SerialDevice {
     /// A UART writing to `output` and raising `irq`.
     pub fn new(output: SerialOutput, irq: Box<dyn IrqTrigger>) -> SerialDevice {
         SerialDevice {
-            uart: Serial::new(Irq(irq), output),
+            uart: Serial::new(Irq(Arc::from(irq)), output),
             stats: SerialStats::default(),
         }
     }
@@ -338,6 +339,11 @@ impl PortIo for SerialDevice {
         }
     }
 }
+
+// Snapshot state (issue 17): capture and restore, kept under snapshot/.
+#[path = "../snapshot/serial_state.rs"]
+mod state;
+pub use state::SerialDeviceState;
 
 #[cfg(test)]
 mod tests {

@@ -485,6 +485,11 @@ impl PortIo for PciConfigIo {
     }
 }
 
+// Snapshot state (issue 17): capture and restore, kept under snapshot/.
+#[path = "../snapshot/pci_bus_state.rs"]
+mod state;
+pub use state::PciBusState;
+
 #[cfg(test)]
 mod tests {
     use super::*;

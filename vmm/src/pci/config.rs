@@ -294,6 +294,11 @@ impl ConfigSpace {
     }
 }
 
+// Snapshot state (issue 17): capture and restore, kept under snapshot/.
+#[path = "../snapshot/pci_config_state.rs"]
+mod state;
+pub use state::ConfigSpaceState;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -339,7 +339,19 @@ impl VirtioDevice for ConsoleDevice {
         })
     }
 
+    fn queue_states(&self) -> Vec<(u16, virtio_queue::QueueState)> {
+        self.active
+            .iter()
+            .flat_map(|a| [(RX_QUEUE, a.rx.state()), (TX_QUEUE, a.tx.state())])
+            .collect()
+    }
+
     fn reset(&mut self) {
         self.active = None;
     }
 }
+
+// Snapshot state (issue 17): capture and restore, kept under snapshot/.
+#[path = "../snapshot/console_state.rs"]
+mod state;
+pub use state::ConsoleInputState;

@@ -234,3 +234,8 @@ impl Msix {
         }
     }
 }
+
+// Snapshot state (issue 17): capture and restore, kept under snapshot/.
+#[path = "../snapshot/msix_state.rs"]
+mod state;
+pub use state::{MsixEntryState, MsixState};

@@ -100,6 +100,10 @@ impl<B: FlushBackend + Send> VirtioDevice for PmemVirtio<B> {
             })
     }
 
+    fn queue_states(&self) -> Vec<(u16, virtio_queue::QueueState)> {
+        self.active.iter().map(|a| (0, a.queue.state())).collect()
+    }
+
     fn reset(&mut self) {
         self.active = None;
         self.device.unstall();

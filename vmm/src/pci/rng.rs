@@ -276,6 +276,10 @@ impl VirtioDevice for RngDevice {
         })
     }
 
+    fn queue_states(&self) -> Vec<(u16, virtio_queue::QueueState)> {
+        self.active.iter().map(|a| (0, a.queue.state())).collect()
+    }
+
     fn reset(&mut self) {
         self.active = None;
     }

@@ -28,7 +28,7 @@ use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
 };
 use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use super::bus::PciDevice;
@@ -171,6 +171,10 @@ pub trait VirtioDevice: Send {
     fn process_queue(&mut self, index: u16) -> Result<bool, VirtioError>;
     /// Device reset: drop the queues (the device may be activated again).
     fn reset(&mut self);
+    /// The queues the device holds while active, by index, with their
+    /// positions (`next_avail`, `next_used`): what a snapshot saves so a
+    /// restored device continues where it was. Empty while inactive.
+    fn queue_states(&self) -> Vec<(u16, QueueState)>;
     /// Why the device stopped serving its queues until [`unstall`] (a
     /// request waits for a host condition, such as free space); `None`
     /// by default.
@@ -847,3 +851,8 @@ impl PciDevice for VirtioPciDevice {
         }
     }
 }
+
+// Snapshot state (issue 17): capture and restore, kept under snapshot/.
+#[path = "../snapshot/virtio_pci_state.rs"]
+mod state;
+pub use state::{VirtioPciState, VirtioQueueState};

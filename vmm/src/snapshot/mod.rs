@@ -1,0 +1,13 @@
+//! Snapshot groundwork (issue 17): the pieces a snapshot is made of. The
+//! API still refuses `vm.snapshot` and `vm.restore`: these modules are not
+//! wired to it yet.
+//!
+//! - [`device_state`]: the state of every device as serde structs, keyed by
+//!   device id ([`device_state::DeviceStates`]), captured from a machine
+//!   and restored into a machine built from the same config. The capture
+//!   and restore code of each device lives next to the device it reaches
+//!   into (`pci_config_state.rs`, `msix_state.rs`, `virtio_pci_state.rs`,
+//!   `pci_bus_state.rs`, `serial_state.rs`, `power_state.rs`,
+//!   `console_state.rs`, included by the device modules as child modules).
+
+pub mod device_state;
