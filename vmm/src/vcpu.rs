@@ -46,6 +46,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
+// Issue 17: state capture and restore requests served by paused vCPUs.
+use crate::snapshot::cpu_state::{
+    CpuStateContext, CpuStateError, StateReply, StateRequest, VcpuState,
+};
 use virtio_pmem_pcow::{Quiesce, QuiesceError};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
@@ -60,6 +64,9 @@ pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long [`VcpuControl::nmi`] waits for the running vCPUs to take their
 /// NMI; one still inside `KVM_RUN` then gets it at its next exit.
 pub const NMI_WAIT: Duration = Duration::from_secs(1);
+/// How long [`VcpuControl::save_states`] and
+/// [`VcpuControl::restore_states`] wait for every vCPU thread to answer.
+pub const STATE_TIMEOUT: Duration = Duration::from_secs(5);
 /// MMIO exits logged in full; after that, one line per this many.
 const MMIO_LOG_EVERY: u64 = 1024;
 const MMIO_LOG_FIRST: u64 = 16;
@@ -100,6 +107,18 @@ pub enum VcpuError {
     Panicked(u8),
     #[error("vCPU(s) {vcpus:?} did not leave KVM_RUN within {} ms of the pause", waited.as_millis())]
     PauseTimeout { vcpus: Vec<usize>, waited: Duration },
+    #[error("the vCPUs must be paused to save or restore their state")]
+    NotPaused,
+    #[error("vCPU thread {0} has exited: its state cannot be saved or restored")]
+    Exited(usize),
+    #[error("vCPU(s) {vcpus:?} did not answer the state request within {} ms", waited.as_millis())]
+    StateTimeout { vcpus: Vec<usize>, waited: Duration },
+    #[error("{states} vCPU states for {vcpus} vCPUs")]
+    StateCount { states: usize, vcpus: usize },
+    #[error("two vCPU states for vCPU {0}")]
+    DuplicateState(u8),
+    #[error("vCPU state")]
+    State(#[source] CpuStateError),
 }
 
 /// Port I/O from the guest. The default `io_in` answers zeros.
@@ -240,6 +259,9 @@ struct CtlState {
     vcpus: Vec<RunState>,
     /// Per vCPU: an NMI to queue before its next `KVM_RUN`.
     nmi: Vec<bool>,
+    /// Per vCPU: a state request it serves while paused, and its answer.
+    requests: Vec<Option<StateRequest>>,
+    replies: Vec<Option<StateReply>>,
 }
 
 impl CtlState {
@@ -397,6 +419,126 @@ impl VcpuControl {
         n
     }
 
+    // --- vCPU state requests (issue 17 groundwork) ---
+
+    /// Asks every paused vCPU thread to capture its state
+    /// ([`VcpuState::capture`] on its own thread) and waits for all (at
+    /// most [`STATE_TIMEOUT`]); returns the states in vCPU id order. The
+    /// caller holds a pause ([`VcpuControl::pause`]) across the call and
+    /// until it has everything else it captures (the VM state, the RAM).
+    pub fn save_states(&self, ctx: &Arc<CpuStateContext>) -> Result<Vec<VcpuState>, VcpuError> {
+        let replies = self.state_requests(|_| StateRequest::Save(ctx.clone()), STATE_TIMEOUT)?;
+        let vcpus = replies.len();
+        let mut states = Vec::with_capacity(vcpus);
+        for r in replies {
+            // A save always answers with a state.
+            states.extend(r.map_err(VcpuError::State)?);
+        }
+        if states.len() != vcpus {
+            return Err(VcpuError::StateCount {
+                states: states.len(),
+                vcpus,
+            });
+        }
+        states.sort_by_key(|s| s.id);
+        Ok(states)
+    }
+
+    /// Asks every paused vCPU thread to restore its state from `states`
+    /// (the one with its id, [`VcpuState::restore`] on its own thread) and
+    /// waits for all (at most [`STATE_TIMEOUT`]). A restored machine's
+    /// control is paused before its vCPU threads start, so each applies
+    /// its state before its first `KVM_RUN`; the caller restores the VM
+    /// state next, then resumes. Fails, before any vCPU is touched, when
+    /// the count of states is not the count of vCPUs or an id appears
+    /// twice; otherwise with the first vCPU's error (the vCPUs must then
+    /// not run).
+    pub fn restore_states(
+        &self,
+        states: &[VcpuState],
+        ctx: &Arc<CpuStateContext>,
+    ) -> Result<(), VcpuError> {
+        let vcpus = self.lock().vcpus.len();
+        if states.len() != vcpus {
+            return Err(VcpuError::StateCount {
+                states: states.len(),
+                vcpus,
+            });
+        }
+        for (i, st) in states.iter().enumerate() {
+            if states[..i].iter().any(|o| o.id == st.id) {
+                return Err(VcpuError::DuplicateState(st.id));
+            }
+        }
+        let all = Arc::new(states.to_vec());
+        let replies = self.state_requests(
+            |_| StateRequest::Restore(all.clone(), ctx.clone()),
+            STATE_TIMEOUT,
+        )?;
+        for r in replies {
+            r.map_err(VcpuError::State)?;
+        }
+        Ok(())
+    }
+
+    /// Posts `request(i)` to every registered vCPU thread and waits (at
+    /// most `limit`) for their replies, in registration order. The vCPUs
+    /// must be paused and none may have exited.
+    fn state_requests(
+        &self,
+        request: impl Fn(usize) -> StateRequest,
+        limit: Duration,
+    ) -> Result<Vec<StateReply>, VcpuError> {
+        let start = std::time::Instant::now();
+        let mut s = self.lock();
+        if s.holds == 0 || s.stop {
+            return Err(VcpuError::NotPaused);
+        }
+        if let Some(i) = s.vcpus.iter().position(|v| *v == RunState::Exited) {
+            return Err(VcpuError::Exited(i));
+        }
+        for i in 0..s.vcpus.len() {
+            s.replies[i] = None;
+            s.requests[i] = Some(request(i));
+        }
+        self.cv.notify_all();
+        loop {
+            if s.replies.iter().all(Option::is_some) {
+                return Ok(s.replies.iter_mut().filter_map(Option::take).collect());
+            }
+            let waiting: Vec<usize> = (0..s.vcpus.len())
+                .filter(|&i| s.replies[i].is_none())
+                .collect();
+            let exited = waiting
+                .iter()
+                .copied()
+                .find(|&i| s.vcpus[i] == RunState::Exited);
+            let waited = start.elapsed();
+            if exited.is_some() || waited >= limit || s.holds == 0 {
+                // Withdraw what is still unserved: a late answer is dropped
+                // by the next request.
+                for &i in &waiting {
+                    s.requests[i] = None;
+                }
+                return Err(match exited {
+                    Some(i) => VcpuError::Exited(i),
+                    None if s.holds == 0 => VcpuError::NotPaused,
+                    None => VcpuError::StateTimeout {
+                        vcpus: waiting,
+                        waited,
+                    },
+                });
+            }
+            s = self
+                .cv
+                .wait_timeout(s, limit - waited)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    // --- end of vCPU state requests ---
+
     /// Number of vCPUs currently paused.
     pub fn paused(&self) -> usize {
         self.lock()
@@ -416,6 +558,8 @@ impl VcpuControl {
         let mut s = self.lock();
         s.vcpus.push(RunState::Starting);
         s.nmi.push(false);
+        s.requests.push(None);
+        s.replies.push(None);
         s.vcpus.len() - 1
     }
 
@@ -426,16 +570,43 @@ impl VcpuControl {
         self.cv.notify_all();
     }
 
-    /// Called by vCPU `idx` before each `KVM_RUN`: waits while paused;
-    /// says whether to stop, and whether to queue an NMI first (the NMI is
-    /// then no longer pending).
+    /// [`VcpuControl::may_run_serving`] for a thread that plays a vCPU
+    /// (tests): a state request gets an error.
+    #[cfg(test)]
     fn may_run(&self, idx: usize, stats: &mut VcpuStats) -> Next {
+        self.may_run_serving(idx, stats, &mut |_| {
+            Err(CpuStateError::BadField {
+                id: 0,
+                field: "id",
+                why: "not a vCPU".into(),
+            })
+        })
+    }
+
+    /// Called by vCPU `idx` before each `KVM_RUN`: waits while paused,
+    /// serving state requests with `serve` meanwhile (without the lock:
+    /// KVM ioctls may take a while); says whether to stop, and whether to
+    /// queue an NMI first (the NMI is then no longer pending).
+    fn may_run_serving(
+        &self,
+        idx: usize,
+        stats: &mut VcpuStats,
+        serve: &mut dyn FnMut(&StateRequest) -> StateReply,
+    ) -> Next {
         let mut s = self.lock();
         if s.holds > 0 && !s.stop {
             s.vcpus[idx] = RunState::Paused;
             stats.pauses += 1;
             self.cv.notify_all();
             while s.holds > 0 && !s.stop {
+                if let Some(req) = s.requests[idx].take() {
+                    drop(s);
+                    let reply = serve(&req);
+                    s = self.lock();
+                    s.replies[idx] = Some(reply);
+                    self.cv.notify_all();
+                    continue;
+                }
                 s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
             }
         }
@@ -546,7 +717,8 @@ impl Vcpu {
         let mut stats = VcpuStats::default();
         let id = self.id;
         loop {
-            match ctl.may_run(idx, &mut stats) {
+            let vcpu: &Vcpu = self;
+            match ctl.may_run_serving(idx, &mut stats, &mut |req| req.serve(vcpu)) {
                 Next::Stop => return Ok((VcpuStop::Stopped, stats)),
                 Next::Run { nmi: false } => {}
                 Next::Run { nmi: true } => match self.fd.nmi() {
