@@ -24,6 +24,10 @@ use vmm::{Vm, VmConfig, VmError};
 const M2: u64 = 2 << 20;
 /// The guest's counter word.
 const COUNTER: u64 = 0x10_0000;
+/// Where the count starts: far from zero, so a guest that lost its
+/// registers (and counts again from 0 in `rax`) never catches up with it
+/// within the deadline.
+const START: u64 = 1 << 40;
 /// How long the guest gets to count past a mark.
 const DEADLINE: Duration = Duration::from_secs(20);
 const MSR_IA32_TSC: u32 = 0x10;
@@ -134,11 +138,13 @@ fn counter(vm: &Vm) -> u64 {
         .expect("read counter")
 }
 
-/// Waits until the counter is above `mark`; returns it.
-fn wait_counter_above(vm: &Vm, mark: u64, what: &str) -> u64 {
+/// Waits until the counter is above `mark`; returns it. Fails if it is
+/// ever seen below `floor`.
+fn wait_counter_above(vm: &Vm, floor: u64, mark: u64, what: &str) -> u64 {
     let start = Instant::now();
     loop {
         let c = counter(vm);
+        assert!(c >= floor, "{what}: counter {c} fell below {floor}");
         if c > mark {
             return c;
         }
@@ -154,8 +160,11 @@ fn wait_counter_above(vm: &Vm, mark: u64, what: &str) -> u64 {
 /// and RAM; the VM is dropped.
 fn counted_snapshot(test: &str, mark: u64) -> Option<(Vec<VcpuState>, VmState, Vec<u8>, u64)> {
     let vm = vm_or_skip(test)?;
+    vm.memory()
+        .write_obj(START, GuestAddress(COUNTER))
+        .expect("counter start");
     let run = start_counter(&vm);
-    wait_counter_above(&vm, mark, "VM 1");
+    wait_counter_above(&vm, START, START + mark, "VM 1");
     run.ctl.pause().expect("pause");
     let ctx = CpuStateContext::new(&vm).expect("context");
     let states = run
@@ -193,7 +202,11 @@ fn vcpu_and_vm_state_restored_into_a_fresh_vm_capture_the_same() {
     let s = &states[0];
     assert_eq!(s.id, 0);
     assert_eq!(s.regs.rdi, COUNTER, "the count step holds its address");
-    assert!(s.regs.rax > 1000, "rax holds the count: {}", s.regs.rax);
+    assert!(
+        s.regs.rax > START + 1000,
+        "rax holds the count: {}",
+        s.regs.rax
+    );
     assert_ne!(s.sregs.efer & (1 << 10), 0, "long mode active");
     assert!(!s.cpuid.is_empty(), "the CPUID the VMM set");
     let has = |i: u32| s.msrs.iter().any(|m| m.index == i);
@@ -270,7 +283,7 @@ fn the_guest_counts_on_from_where_it_was_in_a_fresh_vm() {
     let Some((states, vm_state, ram, at)) = counted_snapshot(test, 5000) else {
         return;
     };
-    assert!(at > 5000);
+    assert!(at > START + 5000);
     // VM 2: fresh, RAM copied in, vCPU restored before its first run.
     let Some((vm2, run)) = fresh_vm_with(test, &ram, 1) else {
         return;
@@ -285,13 +298,9 @@ fn the_guest_counts_on_from_where_it_was_in_a_fresh_vm() {
         .unwrap_or_else(|e| panic!("vm restore: {}", chain(&e)));
     run.ctl.resume();
     // It goes on from `at` (the guest counts from `rax`: a vCPU that had
-    // lost its registers would not), and keeps going.
-    let first = wait_counter_above(&vm2, at, "VM 2");
-    assert!(
-        first < at + (1 << 40),
-        "counter {first} is not a continuation of {at}"
-    );
-    let later = wait_counter_above(&vm2, first + 1000, "VM 2");
+    // lost its registers would count from 0 again), and keeps going.
+    let first = wait_counter_above(&vm2, at, at, "VM 2");
+    let later = wait_counter_above(&vm2, first, first + 1000, "VM 2");
     assert!(later > first);
     // Pause and check: the vCPU is where the count step loops.
     run.ctl.pause().expect("pause");
@@ -384,6 +393,6 @@ fn a_state_that_does_not_fit_fails_naming_what() {
         .unwrap_or_else(|e| panic!("restore: {}", chain(&e)));
     vm_state.restore(&vm2).expect("vm restore");
     run.ctl.resume();
-    wait_counter_above(&vm2, at + 100, "VM 2");
+    wait_counter_above(&vm2, at, at + 100, "VM 2");
     assert_eq!(run.stop(), VcpuStop::Stopped);
 }
