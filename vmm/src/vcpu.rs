@@ -871,6 +871,7 @@ pub fn spawn_notifying(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::cpu_state::sample_state;
 
     #[test]
     fn pause_waits_for_running_and_ignores_starting() {
@@ -1008,5 +1009,127 @@ mod tests {
         assert_eq!(t.join().unwrap(), 2);
         // An exited vCPU gets none.
         assert_eq!(ctl.nmi(), 1);
+    }
+
+    // --- vCPU state requests (issue 17 groundwork) ---
+
+    fn ctx() -> Arc<CpuStateContext> {
+        Arc::new(CpuStateContext {
+            msr_indices: vec![0x10],
+            tsc_khz: false,
+            xcrs: false,
+        })
+    }
+
+    #[test]
+    fn state_requests_need_a_pause_and_no_exited_vcpu() {
+        let ctl = VcpuControl::new().unwrap();
+        let (a, _b) = (ctl.register(), ctl.register());
+        assert!(matches!(ctl.save_states(&ctx()), Err(VcpuError::NotPaused)));
+        ctl.pause().unwrap();
+        ctl.set(a, RunState::Exited);
+        let e = ctl.save_states(&ctx()).unwrap_err();
+        assert!(matches!(e, VcpuError::Exited(0)), "{e:?}");
+        assert!(e.to_string().contains("vCPU thread 0 has exited"), "{e}");
+        ctl.resume();
+        ctl.stop();
+    }
+
+    #[test]
+    fn restore_checks_the_count_and_the_ids_before_asking_any_vcpu() {
+        let ctl = VcpuControl::new().unwrap();
+        let _a = ctl.register();
+        ctl.pause().unwrap();
+        let two = [sample_state(0), sample_state(1)];
+        let e = ctl.restore_states(&two, &ctx()).unwrap_err();
+        assert_eq!(e.to_string(), "2 vCPU states for 1 vCPUs");
+        let _b = ctl.register();
+        let dup = [sample_state(1), sample_state(1)];
+        let e = ctl.restore_states(&dup, &ctx()).unwrap_err();
+        assert!(matches!(e, VcpuError::DuplicateState(1)), "{e:?}");
+        assert!(ctl.lock().requests.iter().all(Option::is_none));
+        ctl.resume();
+        ctl.stop();
+    }
+
+    #[test]
+    fn a_paused_vcpu_thread_serves_the_request_and_the_answer_comes_back() {
+        let ctl = VcpuControl::new().unwrap();
+        let a = ctl.register();
+        ctl.pause().unwrap();
+        // A thread playing a vCPU: it pauses in `may_run` and serves each
+        // request with a state of its own (or an error for a restore).
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let mut stats = VcpuStats::default();
+            let mut served = 0;
+            let mut serve = |r: &StateRequest| {
+                served += 1;
+                match r {
+                    StateRequest::Save(_) => Ok(Some(sample_state(5))),
+                    StateRequest::Restore(..) => Err(CpuStateError::MsrRejected {
+                        id: 5,
+                        index: 0x2ff,
+                        data: 1,
+                    }),
+                }
+            };
+            while c.may_run_serving(a, &mut stats, &mut serve) != Next::Stop {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            c.set(a, RunState::Exited);
+            served
+        });
+        let states = ctl.save_states(&ctx()).unwrap();
+        assert_eq!(states, [sample_state(5)]);
+        let e = ctl.restore_states(&states, &ctx()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                VcpuError::State(CpuStateError::MsrRejected { index: 0x2ff, .. })
+            ),
+            "{e:?}"
+        );
+        // Both requests were served while the thread stayed paused.
+        assert_eq!(ctl.paused(), 1);
+        ctl.resume();
+        ctl.stop();
+        assert_eq!(t.join().unwrap(), 2);
+    }
+
+    #[test]
+    fn a_vcpu_that_never_comes_back_to_serve_times_out_naming_it() {
+        let ctl = VcpuControl::new().unwrap();
+        let (a, _b) = (ctl.register(), ctl.register());
+        let mut stats = VcpuStats::default();
+        // vCPU 0 is in a handler that does not return; vCPU 1 serves (the
+        // test wrapper answers with an error).
+        assert_eq!(ctl.may_run(a, &mut stats), Next::Run { nmi: false });
+        ctl.handling(a);
+        ctl.pause().unwrap();
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let mut stats = VcpuStats::default();
+            while c.may_run(1, &mut stats) != Next::Stop {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            c.set(1, RunState::Exited);
+        });
+        let start = std::time::Instant::now();
+        let e = ctl
+            .state_requests(|_| StateRequest::Save(ctx()), Duration::from_millis(100))
+            .unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(3));
+        match &e {
+            VcpuError::StateTimeout { vcpus, waited } => {
+                assert_eq!(vcpus, &[0]);
+                assert!(*waited >= Duration::from_millis(100));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(ctl.lock().requests[0].is_none(), "withdrawn");
+        ctl.resume();
+        ctl.stop();
+        t.join().unwrap();
     }
 }

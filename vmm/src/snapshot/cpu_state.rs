@@ -1007,3 +1007,204 @@ impl StateRequest {
         }
     }
 }
+
+/// A valid state built without KVM, for tests of the code around it.
+#[cfg(test)]
+pub(crate) fn sample_state(id: u8) -> VcpuState {
+    VcpuState {
+        id,
+        cpuid: vec![CpuidEntry {
+            function: 1,
+            index: 0,
+            flags: 0,
+            eax: 0x806f8,
+            ebx: u32::from(id) << 24,
+            ecx: 0x8000_0000,
+            edx: 0,
+        }],
+        tsc_khz: Some(2_000_000),
+        mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE,
+        regs: Regs {
+            rip: 0xc000,
+            rsp: 0x1000,
+            rflags: 2,
+            rax: 7,
+            ..Default::default()
+        },
+        sregs: Sregs {
+            cr0: 0x8000_0031,
+            efer: 0x500,
+            ..Default::default()
+        },
+        fpu: Fpu {
+            fpr: HexBytes(vec![1; FPR_BYTES]),
+            fcw: 0x37f,
+            xmm: HexBytes(vec![2; XMM_BYTES]),
+            mxcsr: 0x1f80,
+            ..Default::default()
+        },
+        xsave: HexBytes(vec![3; XSAVE_SIZE]),
+        xcrs: vec![Xcr { xcr: 0, value: 7 }],
+        lapic: HexBytes(vec![4; LAPIC_SIZE]),
+        msrs: vec![
+            Msr {
+                index: 0x10,
+                data: 12345,
+            },
+            Msr {
+                index: 0x4b56_4d01,
+                data: 0x5001,
+            },
+        ],
+        debugregs: DebugRegs {
+            dr6: 0xffff_0ff0,
+            dr7: 0x400,
+            ..Default::default()
+        },
+        events: VcpuEvents {
+            flags: kvm_bindings::KVM_VCPUEVENT_VALID_SHADOW,
+            nmi: NmiEvent {
+                masked: 1,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(e: CpuStateError) -> &'static str {
+        match e {
+            CpuStateError::BadField { field, .. } => field,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_valid_state_round_trips_through_json() {
+        let s = sample_state(2);
+        s.validate().unwrap();
+        let j = serde_json::to_string(&s).unwrap();
+        let back: VcpuState = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, s);
+        // Segments name their type field `type`.
+        assert!(j.contains("\"type\":0"), "{j}");
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_hex_are_refused_by_the_reader() {
+        let s = sample_state(0);
+        let mut v = serde_json::to_value(&s).unwrap();
+        v["regs"]["rzz"] = 1.into();
+        let e = serde_json::from_value::<VcpuState>(v).unwrap_err();
+        assert!(e.to_string().contains("unknown field `rzz`"), "{e}");
+        let mut v = serde_json::to_value(&s).unwrap();
+        v["lapic"] = "0x12".into();
+        let e = serde_json::from_value::<VcpuState>(v).unwrap_err();
+        assert!(e.to_string().contains("not a hex digit"), "{e}");
+        let mut v = serde_json::to_value(&s).unwrap();
+        v["mp_state"] = (-1).into();
+        assert!(serde_json::from_value::<VcpuState>(v).is_err());
+        let mut v = serde_json::to_value(&s).unwrap();
+        v.as_object_mut().unwrap().remove("events");
+        let e = serde_json::from_value::<VcpuState>(v).unwrap_err();
+        assert!(e.to_string().contains("missing field `events`"), "{e}");
+    }
+
+    /// A field's name and how to spoil it.
+    type Spoil = (&'static str, Box<dyn Fn(&mut VcpuState)>);
+
+    #[test]
+    fn validate_names_each_bad_field() {
+        let cases: Vec<Spoil> = vec![
+            (
+                "fpu.fpr",
+                Box::new(|s| s.fpu.fpr.0.pop().map(drop).unwrap()),
+            ),
+            ("fpu.xmm", Box::new(|s| s.fpu.xmm.0.push(0))),
+            ("xsave", Box::new(|s| s.xsave.0.truncate(512))),
+            ("lapic", Box::new(|s| s.lapic.0.clear())),
+            (
+                "xcrs",
+                Box::new(|s| s.xcrs = vec![Xcr { xcr: 0, value: 1 }; MAX_XCRS + 1]),
+            ),
+            (
+                "cpuid",
+                Box::new(|s| s.cpuid = vec![s.cpuid[0]; KVM_MAX_CPUID_ENTRIES + 1]),
+            ),
+            ("mp_state", Box::new(|s| s.mp_state = MAX_MP_STATE + 1)),
+            ("tsc_khz", Box::new(|s| s.tsc_khz = Some(0))),
+            ("msrs", Box::new(|s| s.msrs.push(s.msrs[0]))),
+            ("events.flags", Box::new(|s| s.events.flags |= 1 << 20)),
+        ];
+        for (field, spoil) in cases {
+            let mut s = sample_state(1);
+            spoil(&mut s);
+            let e = s.validate().unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with(&format!("vCPU 1: field {field}: ")),
+                "{msg}"
+            );
+            assert_eq!(field_of(e), field);
+        }
+        let mut s = sample_state(1);
+        s.tsc_khz = None;
+        s.cpuid.clear();
+        s.xcrs.clear();
+        s.msrs.clear();
+        s.validate().unwrap();
+    }
+
+    #[test]
+    fn kvm_structs_convert_both_ways_without_loss() {
+        let s = sample_state(0);
+        let regs: kvm_regs = (&s.regs).into();
+        assert_eq!(Regs::from(&regs), s.regs);
+        let mut sregs = s.sregs;
+        sregs.cs = Segment {
+            base: 1,
+            limit: 2,
+            selector: 8,
+            type_: 11,
+            present: 1,
+            dpl: 3,
+            db: 0,
+            s: 1,
+            l: 1,
+            g: 1,
+            avl: 1,
+            unusable: 0,
+        };
+        sregs.idt = DescriptorTable {
+            base: 0x1800,
+            limit: 47,
+        };
+        sregs.interrupt_bitmap = [0, 1 << 3, 0, 0];
+        let k: kvm_sregs = (&sregs).into();
+        assert_eq!(Sregs::from(&k), sregs);
+        let fpu = s.fpu.to_kvm();
+        assert_eq!(fpu.fpr[7], [1; 16]);
+        assert_eq!(fpu.xmm[15], [2; 16]);
+        assert_eq!(Fpu::from(&fpu), s.fpu);
+        let mut ev = s.events;
+        ev.exception = ExceptionEvent {
+            injected: 1,
+            nr: 14,
+            has_error_code: 1,
+            pending: 0,
+            error_code: 2,
+            has_payload: 1,
+            payload: 0xdead_b000,
+        };
+        ev.interrupt.nr = 0x30;
+        ev.smi.latched_init = 1;
+        ev.sipi_vector = 9;
+        ev.triple_fault_pending = 1;
+        let k: kvm_vcpu_events = (&ev).into();
+        assert_eq!(VcpuEvents::from(&k), ev);
+    }
+}

@@ -271,3 +271,88 @@ impl VmState {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> VmState {
+        VmState {
+            pic_master: PicState {
+                imr: 0xfb,
+                irq_base: 0x20,
+                elcr_mask: 0xf8,
+                ..Default::default()
+            },
+            pic_slave: PicState {
+                imr: 0xff,
+                irq_base: 0x28,
+                ..Default::default()
+            },
+            ioapic: IoapicState {
+                base_address: 0xfec0_0000,
+                ioregsel: 0x10,
+                id: 0,
+                irr: 0,
+                redirtbl: (0..IOAPIC_PINS as u64)
+                    .map(|i| 0x1_0000 | (0x30 + i))
+                    .collect(),
+            },
+            clock: ClockState {
+                clock_ns: 123_456_789,
+                realtime_ns: 1_700_000_000_000_000_000,
+            },
+        }
+    }
+
+    #[test]
+    fn round_trips_through_json_and_refuses_unknown_fields() {
+        let s = sample();
+        s.validate().unwrap();
+        let j = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<VmState>(&j).unwrap(), s);
+        let mut v = serde_json::to_value(&s).unwrap();
+        v["pit"] = serde_json::json!({});
+        assert!(serde_json::from_value::<VmState>(v).is_err());
+        let mut v = serde_json::to_value(&s).unwrap();
+        v["clock"]["flags"] = 1.into();
+        assert!(serde_json::from_value::<VmState>(v).is_err());
+    }
+
+    #[test]
+    fn validate_names_a_short_or_long_ioapic_table() {
+        for n in [0, IOAPIC_PINS - 1, IOAPIC_PINS + 1] {
+            let mut s = sample();
+            s.ioapic.redirtbl.resize(n, 0);
+            let e = s.validate().unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("field ioapic.redirtbl: {n} entries, expected {IOAPIC_PINS}")
+            );
+        }
+    }
+
+    #[test]
+    fn pic_state_converts_both_ways() {
+        let p = PicState {
+            last_irr: 1,
+            irr: 2,
+            imr: 3,
+            isr: 4,
+            priority_add: 5,
+            irq_base: 6,
+            read_reg_select: 7,
+            poll: 8,
+            special_mask: 9,
+            init_state: 10,
+            auto_eoi: 11,
+            rotate_on_auto_eoi: 12,
+            special_fully_nested_mode: 13,
+            init4: 14,
+            elcr: 15,
+            elcr_mask: 16,
+        };
+        let k: kvm_pic_state = (&p).into();
+        assert_eq!(PicState::from(&k), p);
+    }
+}
