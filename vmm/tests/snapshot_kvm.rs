@@ -71,65 +71,76 @@ fn vm_or_skip(test: &str) -> Option<Vm> {
     }
 }
 
-/// A running machine: one vCPU thread under its control.
+/// A running machine: its vCPU threads under their control.
 struct Running {
     ctl: Arc<VcpuControl>,
-    thread: Option<VcpuThread>,
+    threads: Vec<VcpuThread>,
 }
 
 impl Running {
-    fn stop(mut self) -> VcpuStop {
+    /// Stops the vCPUs; each must end because of the stop (not a guest
+    /// fault or an error).
+    fn stop(mut self) {
         self.ctl.stop();
-        let t = self.thread.take().expect("thread");
-        t.join().unwrap_or_else(|e| panic!("vCPU: {}", chain(&e))).0
+        for t in std::mem::take(&mut self.threads) {
+            let (stop, _) = t.join().unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
+            assert_eq!(stop, VcpuStop::Stopped);
+        }
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        if let Some(t) = self.thread.take() {
-            self.ctl.stop();
+        self.ctl.stop();
+        for t in std::mem::take(&mut self.threads) {
             let _ = t.join();
         }
     }
 }
 
-/// VM 1: the counting guest on vCPU 0, set up as the machine sets up a
-/// vCPU (CPUID, boot MSRs, LAPIC), running.
-fn start_counter(vm: &Vm) -> Running {
+/// Starts a thread for each of `vcpus` under `ctl`.
+fn spawn(ctl: &Arc<VcpuControl>, vcpus: Vec<vmm::Vcpu>) -> Running {
+    let threads = vcpus
+        .into_iter()
+        .map(|v| vcpu::spawn(v, ctl.clone(), Box::new(|_: u16, _: &[u8]| {})).expect("spawn"))
+        .collect();
+    Running {
+        ctl: ctl.clone(),
+        threads,
+    }
+}
+
+/// VM 1: the counting guest on vCPU 0 of `nvcpus`, each set up as the
+/// machine sets up a vCPU (CPUID, boot MSRs, LAPIC), running; the other
+/// vCPUs wait in their LAPIC for an INIT/SIPI that never comes.
+fn start_counter(vm: &Vm, nvcpus: u8) -> Running {
     let guest = TestGuest {
         checks: vec![Step::Count { gpa: COUNTER }],
         idle: None,
     };
     let loaded = guest.load(vm.memory(), vm.ram_end()).expect("load guest");
-    let vcpu = vm.create_vcpu(0).expect("vcpu");
     let base = cpu::supported_cpuid(vm.kvm()).expect("cpuid");
-    let cpuid = cpu::patch_cpuid(&base, 0, 1, cpu::tsc_deadline(vm.kvm()));
-    cpu::configure(&vcpu, &cpuid).expect("configure");
-    loaded.configure(&vcpu).expect("configure guest");
-    let ctl = VcpuControl::new().expect("control");
-    let thread = vcpu::spawn(vcpu, ctl.clone(), Box::new(|_: u16, _: &[u8]| {})).expect("spawn");
-    Running {
-        ctl,
-        thread: Some(thread),
-    }
+    let vcpus: Vec<_> = (0..nvcpus)
+        .map(|id| {
+            let vcpu = vm.create_vcpu(id).expect("vcpu");
+            let cpuid = cpu::patch_cpuid(&base, id, nvcpus, cpu::tsc_deadline(vm.kvm()));
+            cpu::configure(&vcpu, &cpuid).expect("configure");
+            vcpu
+        })
+        .collect();
+    loaded.configure(&vcpus[0]).expect("configure guest");
+    spawn(&VcpuControl::new().expect("control"), vcpus)
 }
 
-/// A fresh vCPU 0 in `vm`, its thread started under a paused control (it
-/// waits before its first `KVM_RUN`), as a restored machine starts.
+/// Fresh vCPUs in `vm`, their threads started under a paused control
+/// (they wait before their first `KVM_RUN`), as a restored machine starts.
 fn start_paused(vm: &Vm, nvcpus: u8) -> Running {
     let ctl = VcpuControl::new().expect("control");
     ctl.pause().expect("pause");
-    let mut thread = None;
-    for id in 0..nvcpus {
-        let vcpu = vm.create_vcpu(id).expect("vcpu");
-        let t = vcpu::spawn(vcpu, ctl.clone(), Box::new(|_: u16, _: &[u8]| {})).expect("spawn");
-        // The tests keep one thread to join; others end at the stop.
-        if thread.is_none() {
-            thread = Some(t);
-        }
-    }
-    Running { ctl, thread }
+    let vcpus = (0..nvcpus)
+        .map(|id| vm.create_vcpu(id).expect("vcpu"))
+        .collect();
+    spawn(&ctl, vcpus)
 }
 
 fn counter(vm: &Vm) -> u64 {
@@ -158,12 +169,16 @@ fn wait_counter_above(vm: &Vm, floor: u64, mark: u64, what: &str) -> u64 {
 
 /// Runs the counter in a VM, pauses it past `mark` and captures its state
 /// and RAM; the VM is dropped.
-fn counted_snapshot(test: &str, mark: u64) -> Option<(Vec<VcpuState>, VmState, Vec<u8>, u64)> {
+fn counted_snapshot(
+    test: &str,
+    nvcpus: u8,
+    mark: u64,
+) -> Option<(Vec<VcpuState>, VmState, Vec<u8>, u64)> {
     let vm = vm_or_skip(test)?;
     vm.memory()
         .write_obj(START, GuestAddress(COUNTER))
         .expect("counter start");
-    let run = start_counter(&vm);
+    let run = start_counter(&vm, nvcpus);
     wait_counter_above(&vm, START, START + mark, "VM 1");
     run.ctl.pause().expect("pause");
     let ctx = CpuStateContext::new(&vm).expect("context");
@@ -177,7 +192,7 @@ fn counted_snapshot(test: &str, mark: u64) -> Option<(Vec<VcpuState>, VmState, V
     vm.memory()
         .read_slice(&mut ram, GuestAddress(0))
         .expect("copy RAM");
-    assert_eq!(run.stop(), VcpuStop::Stopped);
+    run.stop();
     drop(vm);
     Some((states, vm_state, ram, at))
 }
@@ -195,10 +210,17 @@ fn fresh_vm_with(test: &str, ram: &[u8], nvcpus: u8) -> Option<(Vm, Running)> {
 #[test]
 fn vcpu_and_vm_state_restored_into_a_fresh_vm_capture_the_same() {
     let test = "vcpu_and_vm_state_restored_into_a_fresh_vm_capture_the_same";
-    let Some((states, vm_state, ram, _)) = counted_snapshot(test, 1000) else {
+    // Two vCPUs: 0 counts, 1 waits for a SIPI (another mp_state).
+    let Some((states, vm_state, ram, _)) = counted_snapshot(test, 2, 1000) else {
         return;
     };
-    assert_eq!(states.len(), 1);
+    assert_eq!(states.len(), 2);
+    assert_eq!(states[1].id, 1);
+    assert_eq!(
+        states[1].mp_state,
+        kvm_bindings::KVM_MP_STATE_UNINITIALIZED,
+        "vCPU 1 waits for INIT/SIPI"
+    );
     let s = &states[0];
     assert_eq!(s.id, 0);
     assert_eq!(s.regs.rdi, COUNTER, "the count step holds its address");
@@ -224,12 +246,14 @@ fn vcpu_and_vm_state_restored_into_a_fresh_vm_capture_the_same() {
         vm_state
     );
 
-    let Some((vm2, run)) = fresh_vm_with(test, &ram, 1) else {
+    let Some((vm2, run)) = fresh_vm_with(test, &ram, 2) else {
         return;
     };
     let ctx = CpuStateContext::new(&vm2).expect("context");
+    // In reverse order: each vCPU takes the state with its id.
+    let reversed: Vec<VcpuState> = back.iter().rev().cloned().collect();
     run.ctl
-        .restore_states(&back, &ctx)
+        .restore_states(&reversed, &ctx)
         .unwrap_or_else(|e| panic!("restore: {}", chain(&e)));
     vm_state
         .restore(&vm2)
@@ -237,7 +261,26 @@ fn vcpu_and_vm_state_restored_into_a_fresh_vm_capture_the_same() {
     // Captured again before any KVM_RUN: the same, register set by register
     // set, but for the clocks, which ran meanwhile.
     let again = run.ctl.save_states(&ctx).expect("save again");
-    let a = &again[0];
+    assert_eq!(again.len(), 2);
+    for (a, s) in again.iter().zip(&states) {
+        same_vcpu_state(a, s);
+    }
+    let vm_again = VmState::capture(&vm2).expect("vm state again");
+    assert_eq!(vm_again.pic_master, vm_state.pic_master, "PIC master");
+    assert_eq!(vm_again.pic_slave, vm_state.pic_slave, "PIC slave");
+    assert_eq!(vm_again.ioapic, vm_state.ioapic, "IOAPIC");
+    assert!(
+        vm_again.clock.clock_ns >= vm_state.clock.clock_ns,
+        "the KVM clock went on: {:?} then {:?}",
+        vm_state.clock,
+        vm_again.clock
+    );
+    run.stop();
+}
+
+/// `a`, captured from a vCPU restored from `s` before it ran, is `s`,
+/// register set by register set, but for the TSC, which ran meanwhile.
+fn same_vcpu_state(a: &VcpuState, s: &VcpuState) {
     assert_eq!(a.id, s.id);
     assert_eq!(a.cpuid, s.cpuid, "cpuid");
     assert_eq!(a.tsc_khz, s.tsc_khz, "tsc_khz");
@@ -260,27 +303,16 @@ fn vcpu_and_vm_state_restored_into_a_fresh_vm_capture_the_same() {
             assert!(m2.data >= m1.data, "TSC went back");
             assert!(m2.data - m1.data < 10_000_000_000 * 60, "TSC jumped");
         } else {
-            assert_eq!(m2, m1, "MSR {:#x}", m1.index);
+            assert_eq!(m2, m1, "vCPU {}: MSR {:#x}", s.id, m1.index);
         }
     }
-    let vm_again = VmState::capture(&vm2).expect("vm state again");
-    assert_eq!(vm_again.pic_master, vm_state.pic_master, "PIC master");
-    assert_eq!(vm_again.pic_slave, vm_state.pic_slave, "PIC slave");
-    assert_eq!(vm_again.ioapic, vm_state.ioapic, "IOAPIC");
-    assert!(
-        vm_again.clock.clock_ns >= vm_state.clock.clock_ns,
-        "the KVM clock went on: {:?} then {:?}",
-        vm_state.clock,
-        vm_again.clock
-    );
-    assert_eq!(run.stop(), VcpuStop::Stopped);
 }
 
 #[test]
 fn the_guest_counts_on_from_where_it_was_in_a_fresh_vm() {
     let test = "the_guest_counts_on_from_where_it_was_in_a_fresh_vm";
     // VM 1 counts, is paused and captured, and is dropped.
-    let Some((states, vm_state, ram, at)) = counted_snapshot(test, 5000) else {
+    let Some((states, vm_state, ram, at)) = counted_snapshot(test, 1, 5000) else {
         return;
     };
     assert!(at > START + 5000);
@@ -308,13 +340,13 @@ fn the_guest_counts_on_from_where_it_was_in_a_fresh_vm() {
     assert_eq!(now[0].regs.rdi, COUNTER);
     assert!(now[0].regs.rax >= later);
     eprintln!("{test}: counter {at} at the snapshot, {later} after the restore");
-    assert_eq!(run.stop(), VcpuStop::Stopped);
+    run.stop();
 }
 
 #[test]
 fn a_state_that_does_not_fit_fails_naming_what() {
     let test = "a_state_that_does_not_fit_fails_naming_what";
-    let Some((states, vm_state, ram, _)) = counted_snapshot(test, 10) else {
+    let Some((states, vm_state, ram, _)) = counted_snapshot(test, 1, 10) else {
         return;
     };
     let Some((vm2, run)) = fresh_vm_with(test, &ram, 1) else {
@@ -394,5 +426,5 @@ fn a_state_that_does_not_fit_fails_naming_what() {
     vm_state.restore(&vm2).expect("vm restore");
     run.ctl.resume();
     wait_counter_above(&vm2, at, at + 100, "VM 2");
-    assert_eq!(run.stop(), VcpuStop::Stopped);
+    run.stop();
 }
