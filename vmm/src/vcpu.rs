@@ -27,6 +27,15 @@
 //! its next `KVM_RUN` and queues the NMI there. A paused vCPU gets it when
 //! it resumes.
 //!
+//! [`VcpuControl::save_states`] and [`VcpuControl::restore_states`]
+//! (issue 17 groundwork) capture and restore each vCPU's
+//! [`VcpuState`] on the vCPU's own thread: with the vCPUs paused, the
+//! control posts a request to every vCPU thread and waits (at most
+//! [`STATE_TIMEOUT`]); each thread serves it in its paused wait, outside
+//! `KVM_RUN` and without the control's lock, and posts its answer. A
+//! restored machine pauses its control before it spawns the vCPU
+//! threads, so each applies its state before its first `KVM_RUN`.
+//!
 //! The control implements the device crate's [`Quiesce`]: `hold` pauses
 //! and returns once no vCPU is inside `KVM_RUN`, `release` resumes. Holds
 //! nest (a count).
