@@ -38,14 +38,18 @@
 //! 5. LAPIC: after sregs (its mode comes from `apic_base`), before the
 //!    MSRs (KVM keeps `TSC_DEADLINE` only while the LVT timer is in
 //!    TSC-deadline mode).
-//! 6. MSRs, strictly: one KVM refuses fails the restore naming it.
+//! 6. MSRs, `IA32_TSC` first (`TSC_DEADLINE` is a point in guest TSC
+//!    time), strictly: one KVM refuses fails the restore naming it.
 //! 7. debug registers.
 //! 8. `mp_state`, then the vCPU events last: `KVM_SET_REGS` and
 //!    `KVM_SET_SREGS` clear or queue exceptions and interrupts, and the
 //!    events put back exactly what was pending at the capture.
 //!
-//! The VM-wide state (irqchip, clock) is in [`super::vm_state`]: restore
-//! it after the vCPUs, just before they resume.
+//! The guest RAM must be in place before the restore: KVM writes guest
+//! pages the restored MSRs point at (the kvmclock page, steal time) when
+//! the vCPU next enters the guest. The VM-wide state (irqchip, clock) is in
+//! [`super::vm_state`]: restore it after the vCPUs, just before they
+//! resume.
 
 use std::sync::Arc;
 
@@ -68,6 +72,8 @@ pub const XSAVE_SIZE: usize = std::mem::size_of::<kvm_xsave>();
 pub const LAPIC_SIZE: usize = 1024;
 /// Most XCRs `kvm_xcrs` holds.
 pub const MAX_XCRS: usize = 16;
+/// The guest's time stamp counter.
+const MSR_IA32_TSC: u32 = 0x10;
 /// The highest `KVM_MP_STATE_*` value (`KVM_MP_STATE_SUSPENDED`).
 const MAX_MP_STATE: u32 = kvm_bindings::KVM_MP_STATE_SUSPENDED;
 
@@ -929,7 +935,17 @@ impl VcpuState {
             *r = b as std::os::raw::c_char;
         }
         fd.set_lapic(&lapic).map_err(ioctl(id, "KVM_SET_LAPIC"))?;
-        for chunk in self.msrs.chunks(KVM_MAX_MSR_ENTRIES) {
+        // IA32_TSC first, whatever the order in the state: the values of
+        // TSC_DEADLINE (and the TSC-relative kvmclock data) are read
+        // against the guest TSC at the time they are written.
+        let msrs: Vec<Msr> = self
+            .msrs
+            .iter()
+            .filter(|m| m.index == MSR_IA32_TSC)
+            .chain(self.msrs.iter().filter(|m| m.index != MSR_IA32_TSC))
+            .copied()
+            .collect();
+        for chunk in msrs.chunks(KVM_MAX_MSR_ENTRIES) {
             let entries: Vec<kvm_msr_entry> = chunk
                 .iter()
                 .map(|m| kvm_msr_entry {
