@@ -404,6 +404,11 @@ fn a_state_that_does_not_fit_fails_naming_what() {
         "{}",
         chain(&e)
     );
+    // Special registers KVM refuses: paging without protected mode.
+    let mut sregs = states.clone();
+    sregs[0].sregs.cr0 &= !1;
+    let e = err(run.ctl.restore_states(&sregs, &ctx));
+    assert!(e.contains("vCPU 0: KVM_SET_SREGS"), "{e}");
     // An unknown mp_state.
     let mut mp = states.clone();
     mp[0].mp_state = 99;
@@ -420,6 +425,13 @@ fn a_state_that_does_not_fit_fails_naming_what() {
             ..
         }
     ));
+    // A VM without an in-kernel irqchip has no irqchip state to take.
+    let bare = Vm::new(&VmConfig { ram_size: M2 }).expect("VM");
+    let e = chain(&vm_state.restore(&bare).expect_err("must fail"));
+    assert!(e.starts_with("KVM_SET_IRQCHIP (PIC master)"), "{e}");
+    let e = chain(&VmState::capture(&bare).expect_err("must fail"));
+    assert!(e.starts_with("KVM_GET_IRQCHIP (PIC master)"), "{e}");
+    drop(bare);
     // Not paused: refused.
     let idle = VcpuControl::new().expect("control");
     let e = err(idle.restore_states(&[], &ctx));
