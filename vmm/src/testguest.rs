@@ -15,6 +15,12 @@
 //!   value under a mask equals the expected one, at most `tries` times
 //!   (one try: a read-and-compare; more: a bounded poll); fails after the
 //!   last try.
+//! - [`Step::Count`]: counts forever in a register and stores each new
+//!   count into a 64-bit RAM word, starting from the word's value; never
+//!   reports and never ends (a guest whose progress a host test watches
+//!   across a pause, or a snapshot and a restore: the count lives in
+//!   `rax` and RAM, so it goes on from where it was only if both were
+//!   restored).
 //!
 //! With `Write` and `Read` steps the guest can act as a driver: register
 //! accesses are real guest instructions, each an MMIO exit the VMM
@@ -41,9 +47,9 @@
 //!
 //! A table entry is five little-endian words: the address (0 ends the
 //! table), three operands, and flags: bit 0 a `Mem` step writes, bit 1 a
-//! `Write` step, bit 2 a `Read` step, bits 8..16 the access width. `Mem`:
-//! words, seed, stride. `Write`: value. `Read`: mask, expected value,
-//! tries.
+//! `Write` step, bit 2 a `Read` step, bit 3 a `Count` step, bits 8..16 the
+//! access width. `Mem`: words, seed, stride. `Write`: value. `Read`: mask,
+//! expected value, tries. `Count`: none.
 
 use crate::x86::{
     gdt_entry, segment, CR0_ET, CR0_MP, CR0_NE, CR0_PE, CR0_PG, CR0_WP, CR4_PAE, EFER_LMA, EFER_LME,
@@ -83,6 +89,8 @@ const FLAG_MEM_WRITE: u64 = 1;
 const FLAG_WRITE: u64 = 2;
 /// Entry flags: a `Read` step.
 const FLAG_READ: u64 = 4;
+/// Entry flags: a `Count` step.
+const FLAG_COUNT: u64 = 8;
 /// Entry flags: the access width in bytes, from this bit.
 const WIDTH_SHIFT: u32 = 8;
 /// Lowest RAM size the layout needs.
@@ -178,6 +186,13 @@ pub enum Step {
         expect: u64,
         /// Reads at most (a poll bound).
         tries: u64,
+    },
+    /// Counts forever: `rax` = the word at `gpa`, then `rax += 1` and
+    /// stores it at `gpa`, again and again. Never reports; the steps after
+    /// it never run.
+    Count {
+        /// Guest-physical address of the word (RAM, 8-byte aligned).
+        gpa: u64,
     },
 }
 
@@ -279,6 +294,10 @@ impl Step {
                     return Err("the expected value has bits outside the mask and width");
                 }
                 Ok([gpa, mask, expect, tries, FLAG_READ | w])
+            }
+            Step::Count { gpa } => {
+                access(gpa, 8)?;
+                Ok([gpa, 0, 0, 0, FLAG_COUNT])
             }
         }
     }
@@ -402,6 +421,7 @@ fn program(idle: Option<u32>) -> Result<(Vec<u8>, usize), TestGuestError> {
         a.label(),
     );
     let (pass, access_write, access_read) = (a.label(), a.label(), a.label());
+    let count = a.label();
     let t = TABLE_ADDR.to_le_bytes();
     let port = TEST_PORT.to_le_bytes();
     // Registers: rbx = current entry, r10 = check index.
@@ -416,6 +436,8 @@ fn program(idle: Option<u32>) -> Result<(Vec<u8>, usize), TestGuestError> {
     a.jmp32(&[0x0F, 0x85], access_write); // jnz access_write
     a.op(&[0x41, 0xF6, 0xC3, FLAG_READ as u8]); // test r11b, FLAG_READ
     a.jmp32(&[0x0F, 0x85], access_read); // jnz access_read
+    a.op(&[0x41, 0xF6, 0xC3, FLAG_COUNT as u8]); // test r11b, FLAG_COUNT
+    a.jmp32(&[0x0F, 0x85], count); // jnz count
     a.op(&[0x48, 0x8B, 0x4B, 0x08]); // mov rcx, [rbx+8]   ; qwords
     a.op(&[0x48, 0x8B, 0x43, 0x10]); // mov rax, [rbx+16]  ; seed
     a.op(&[0x4C, 0x8B, 0x4B, 0x18]); // mov r9, [rbx+24]   ; stride
@@ -454,6 +476,13 @@ fn program(idle: Option<u32>) -> Result<(Vec<u8>, usize), TestGuestError> {
     a.op(&[0x48, 0x83, 0xC3, ENTRY_SIZE as u8]); // add rbx, ENTRY_SIZE
     a.jmp32(&[0xE9], next); // jmp next
     access_steps(&mut a, access_write, access_read, pass, bad);
+    let count_loop = a.label();
+    a.bind(count);
+    a.op(&[0x48, 0x8B, 0x07]); // mov rax, [rdi]        ; from the word's value
+    a.bind(count_loop);
+    a.op(&[0x48, 0xFF, 0xC0]); // inc rax
+    a.op(&[0x48, 0x89, 0x07]); // mov [rdi], rax
+    a.jmp8(&[0xEB], count_loop); // jmp count_loop
     a.bind(done);
     a.op(&[0x44, 0x89, 0xD0]); // mov eax, r10d         ; checks run
     a.op(&[0x0D, 0x00, 0x00, 0x00, 0x40]); // or eax, DONE_BIT
@@ -795,6 +824,10 @@ mod tests {
             Step::read(0x1000, 8, 1).entry(GIB).map(|e| e[1]),
             Ok(u64::MAX)
         );
+        assert_eq!(
+            Step::Count { gpa: 0x2_0000 }.entry(GIB),
+            Ok([0x2_0000, 0, 0, 0, FLAG_COUNT])
+        );
         let bad = [
             Step::write(0, 1, 0),
             Step::write(0x1001, 2, 0),
@@ -803,6 +836,9 @@ mod tests {
             Step::read(0x1000, 1, 0x100),
             Step::read_masked(0x1000, 4, 0xf0, 0x0f),
             Step::poll(0x1000, 2, 0, 0),
+            Step::Count { gpa: 0 },
+            Step::Count { gpa: 0x1004 },
+            Step::Count { gpa: GIB },
         ];
         for s in bad {
             assert!(s.entry(GIB).is_err(), "{s:?}");

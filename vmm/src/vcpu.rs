@@ -27,6 +27,15 @@
 //! its next `KVM_RUN` and queues the NMI there. A paused vCPU gets it when
 //! it resumes.
 //!
+//! [`VcpuControl::save_states`] and [`VcpuControl::restore_states`]
+//! (issue 17 groundwork) capture and restore each vCPU's
+//! [`VcpuState`] on the vCPU's own thread: with the vCPUs paused, the
+//! control posts a request to every vCPU thread and waits (at most
+//! [`STATE_TIMEOUT`]); each thread serves it in its paused wait, outside
+//! `KVM_RUN` and without the control's lock, and posts its answer. A
+//! restored machine pauses its control before it spawns the vCPU
+//! threads, so each applies its state before its first `KVM_RUN`.
+//!
 //! The control implements the device crate's [`Quiesce`]: `hold` pauses
 //! and returns once no vCPU is inside `KVM_RUN`, `release` resumes. Holds
 //! nest (a count).
@@ -46,6 +55,10 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
+// Issue 17: state capture and restore requests served by paused vCPUs.
+use crate::snapshot::cpu_state::{
+    CpuStateContext, CpuStateError, StateReply, StateRequest, VcpuState,
+};
 use virtio_pmem_pcow::{Quiesce, QuiesceError};
 use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
@@ -60,6 +73,9 @@ pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long [`VcpuControl::nmi`] waits for the running vCPUs to take their
 /// NMI; one still inside `KVM_RUN` then gets it at its next exit.
 pub const NMI_WAIT: Duration = Duration::from_secs(1);
+/// How long [`VcpuControl::save_states`] and
+/// [`VcpuControl::restore_states`] wait for every vCPU thread to answer.
+pub const STATE_TIMEOUT: Duration = Duration::from_secs(5);
 /// MMIO exits logged in full; after that, one line per this many.
 const MMIO_LOG_EVERY: u64 = 1024;
 const MMIO_LOG_FIRST: u64 = 16;
@@ -100,6 +116,18 @@ pub enum VcpuError {
     Panicked(u8),
     #[error("vCPU(s) {vcpus:?} did not leave KVM_RUN within {} ms of the pause", waited.as_millis())]
     PauseTimeout { vcpus: Vec<usize>, waited: Duration },
+    #[error("the vCPUs must be paused to save or restore their state")]
+    NotPaused,
+    #[error("vCPU thread {0} has exited: its state cannot be saved or restored")]
+    Exited(usize),
+    #[error("vCPU(s) {vcpus:?} did not answer the state request within {} ms", waited.as_millis())]
+    StateTimeout { vcpus: Vec<usize>, waited: Duration },
+    #[error("{states} vCPU states for {vcpus} vCPUs")]
+    StateCount { states: usize, vcpus: usize },
+    #[error("two vCPU states for vCPU {0}")]
+    DuplicateState(u8),
+    #[error("vCPU state")]
+    State(#[source] CpuStateError),
 }
 
 /// Port I/O from the guest. The default `io_in` answers zeros.
@@ -240,6 +268,9 @@ struct CtlState {
     vcpus: Vec<RunState>,
     /// Per vCPU: an NMI to queue before its next `KVM_RUN`.
     nmi: Vec<bool>,
+    /// Per vCPU: a state request it serves while paused, and its answer.
+    requests: Vec<Option<StateRequest>>,
+    replies: Vec<Option<StateReply>>,
 }
 
 impl CtlState {
@@ -397,6 +428,126 @@ impl VcpuControl {
         n
     }
 
+    // --- vCPU state requests (issue 17 groundwork) ---
+
+    /// Asks every paused vCPU thread to capture its state
+    /// ([`VcpuState::capture`] on its own thread) and waits for all (at
+    /// most [`STATE_TIMEOUT`]); returns the states in vCPU id order. The
+    /// caller holds a pause ([`VcpuControl::pause`]) across the call and
+    /// until it has everything else it captures (the VM state, the RAM).
+    pub fn save_states(&self, ctx: &Arc<CpuStateContext>) -> Result<Vec<VcpuState>, VcpuError> {
+        let replies = self.state_requests(|_| StateRequest::Save(ctx.clone()), STATE_TIMEOUT)?;
+        let vcpus = replies.len();
+        let mut states = Vec::with_capacity(vcpus);
+        for r in replies {
+            // A save always answers with a state.
+            states.extend(r.map_err(VcpuError::State)?);
+        }
+        if states.len() != vcpus {
+            return Err(VcpuError::StateCount {
+                states: states.len(),
+                vcpus,
+            });
+        }
+        states.sort_by_key(|s| s.id);
+        Ok(states)
+    }
+
+    /// Asks every paused vCPU thread to restore its state from `states`
+    /// (the one with its id, [`VcpuState::restore`] on its own thread) and
+    /// waits for all (at most [`STATE_TIMEOUT`]). A restored machine's
+    /// control is paused before its vCPU threads start, so each applies
+    /// its state before its first `KVM_RUN`; the caller restores the VM
+    /// state next, then resumes. Fails, before any vCPU is touched, when
+    /// the count of states is not the count of vCPUs or an id appears
+    /// twice; otherwise with the first vCPU's error (the vCPUs must then
+    /// not run).
+    pub fn restore_states(
+        &self,
+        states: &[VcpuState],
+        ctx: &Arc<CpuStateContext>,
+    ) -> Result<(), VcpuError> {
+        let vcpus = self.lock().vcpus.len();
+        if states.len() != vcpus {
+            return Err(VcpuError::StateCount {
+                states: states.len(),
+                vcpus,
+            });
+        }
+        for (i, st) in states.iter().enumerate() {
+            if states[..i].iter().any(|o| o.id == st.id) {
+                return Err(VcpuError::DuplicateState(st.id));
+            }
+        }
+        let all = Arc::new(states.to_vec());
+        let replies = self.state_requests(
+            |_| StateRequest::Restore(all.clone(), ctx.clone()),
+            STATE_TIMEOUT,
+        )?;
+        for r in replies {
+            r.map_err(VcpuError::State)?;
+        }
+        Ok(())
+    }
+
+    /// Posts `request(i)` to every registered vCPU thread and waits (at
+    /// most `limit`) for their replies, in registration order. The vCPUs
+    /// must be paused and none may have exited.
+    fn state_requests(
+        &self,
+        request: impl Fn(usize) -> StateRequest,
+        limit: Duration,
+    ) -> Result<Vec<StateReply>, VcpuError> {
+        let start = std::time::Instant::now();
+        let mut s = self.lock();
+        if s.holds == 0 || s.stop {
+            return Err(VcpuError::NotPaused);
+        }
+        if let Some(i) = s.vcpus.iter().position(|v| *v == RunState::Exited) {
+            return Err(VcpuError::Exited(i));
+        }
+        for i in 0..s.vcpus.len() {
+            s.replies[i] = None;
+            s.requests[i] = Some(request(i));
+        }
+        self.cv.notify_all();
+        loop {
+            if s.replies.iter().all(Option::is_some) {
+                return Ok(s.replies.iter_mut().filter_map(Option::take).collect());
+            }
+            let waiting: Vec<usize> = (0..s.vcpus.len())
+                .filter(|&i| s.replies[i].is_none())
+                .collect();
+            let exited = waiting
+                .iter()
+                .copied()
+                .find(|&i| s.vcpus[i] == RunState::Exited);
+            let waited = start.elapsed();
+            if exited.is_some() || waited >= limit || s.holds == 0 {
+                // Withdraw what is still unserved: a late answer is dropped
+                // by the next request.
+                for &i in &waiting {
+                    s.requests[i] = None;
+                }
+                return Err(match exited {
+                    Some(i) => VcpuError::Exited(i),
+                    None if s.holds == 0 => VcpuError::NotPaused,
+                    None => VcpuError::StateTimeout {
+                        vcpus: waiting,
+                        waited,
+                    },
+                });
+            }
+            s = self
+                .cv
+                .wait_timeout(s, limit - waited)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    // --- end of vCPU state requests ---
+
     /// Number of vCPUs currently paused.
     pub fn paused(&self) -> usize {
         self.lock()
@@ -416,6 +567,8 @@ impl VcpuControl {
         let mut s = self.lock();
         s.vcpus.push(RunState::Starting);
         s.nmi.push(false);
+        s.requests.push(None);
+        s.replies.push(None);
         s.vcpus.len() - 1
     }
 
@@ -426,16 +579,43 @@ impl VcpuControl {
         self.cv.notify_all();
     }
 
-    /// Called by vCPU `idx` before each `KVM_RUN`: waits while paused;
-    /// says whether to stop, and whether to queue an NMI first (the NMI is
-    /// then no longer pending).
+    /// [`VcpuControl::may_run_serving`] for a thread that plays a vCPU
+    /// (tests): a state request gets an error.
+    #[cfg(test)]
     fn may_run(&self, idx: usize, stats: &mut VcpuStats) -> Next {
+        self.may_run_serving(idx, stats, &mut |_| {
+            Err(CpuStateError::BadField {
+                id: 0,
+                field: "id",
+                why: "not a vCPU".into(),
+            })
+        })
+    }
+
+    /// Called by vCPU `idx` before each `KVM_RUN`: waits while paused,
+    /// serving state requests with `serve` meanwhile (without the lock:
+    /// KVM ioctls may take a while); says whether to stop, and whether to
+    /// queue an NMI first (the NMI is then no longer pending).
+    fn may_run_serving(
+        &self,
+        idx: usize,
+        stats: &mut VcpuStats,
+        serve: &mut dyn FnMut(&StateRequest) -> StateReply,
+    ) -> Next {
         let mut s = self.lock();
         if s.holds > 0 && !s.stop {
             s.vcpus[idx] = RunState::Paused;
             stats.pauses += 1;
             self.cv.notify_all();
             while s.holds > 0 && !s.stop {
+                if let Some(req) = s.requests[idx].take() {
+                    drop(s);
+                    let reply = serve(&req);
+                    s = self.lock();
+                    s.replies[idx] = Some(reply);
+                    self.cv.notify_all();
+                    continue;
+                }
                 s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
             }
         }
@@ -546,7 +726,8 @@ impl Vcpu {
         let mut stats = VcpuStats::default();
         let id = self.id;
         loop {
-            match ctl.may_run(idx, &mut stats) {
+            let vcpu: &Vcpu = self;
+            match ctl.may_run_serving(idx, &mut stats, &mut |req| req.serve(vcpu)) {
                 Next::Stop => return Ok((VcpuStop::Stopped, stats)),
                 Next::Run { nmi: false } => {}
                 Next::Run { nmi: true } => match self.fd.nmi() {
@@ -699,6 +880,7 @@ pub fn spawn_notifying(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::snapshot::cpu_state::sample_state;
 
     #[test]
     fn pause_waits_for_running_and_ignores_starting() {
@@ -836,5 +1018,127 @@ mod tests {
         assert_eq!(t.join().unwrap(), 2);
         // An exited vCPU gets none.
         assert_eq!(ctl.nmi(), 1);
+    }
+
+    // --- vCPU state requests (issue 17 groundwork) ---
+
+    fn ctx() -> Arc<CpuStateContext> {
+        Arc::new(CpuStateContext {
+            msr_indices: vec![0x10],
+            tsc_khz: false,
+            xcrs: false,
+        })
+    }
+
+    #[test]
+    fn state_requests_need_a_pause_and_no_exited_vcpu() {
+        let ctl = VcpuControl::new().unwrap();
+        let (a, _b) = (ctl.register(), ctl.register());
+        assert!(matches!(ctl.save_states(&ctx()), Err(VcpuError::NotPaused)));
+        ctl.pause().unwrap();
+        ctl.set(a, RunState::Exited);
+        let e = ctl.save_states(&ctx()).unwrap_err();
+        assert!(matches!(e, VcpuError::Exited(0)), "{e:?}");
+        assert!(e.to_string().contains("vCPU thread 0 has exited"), "{e}");
+        ctl.resume();
+        ctl.stop();
+    }
+
+    #[test]
+    fn restore_checks_the_count_and_the_ids_before_asking_any_vcpu() {
+        let ctl = VcpuControl::new().unwrap();
+        let _a = ctl.register();
+        ctl.pause().unwrap();
+        let two = [sample_state(0), sample_state(1)];
+        let e = ctl.restore_states(&two, &ctx()).unwrap_err();
+        assert_eq!(e.to_string(), "2 vCPU states for 1 vCPUs");
+        let _b = ctl.register();
+        let dup = [sample_state(1), sample_state(1)];
+        let e = ctl.restore_states(&dup, &ctx()).unwrap_err();
+        assert!(matches!(e, VcpuError::DuplicateState(1)), "{e:?}");
+        assert!(ctl.lock().requests.iter().all(Option::is_none));
+        ctl.resume();
+        ctl.stop();
+    }
+
+    #[test]
+    fn a_paused_vcpu_thread_serves_the_request_and_the_answer_comes_back() {
+        let ctl = VcpuControl::new().unwrap();
+        let a = ctl.register();
+        ctl.pause().unwrap();
+        // A thread playing a vCPU: it pauses in `may_run` and serves each
+        // request with a state of its own (or an error for a restore).
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let mut stats = VcpuStats::default();
+            let mut served = 0;
+            let mut serve = |r: &StateRequest| {
+                served += 1;
+                match r {
+                    StateRequest::Save(_) => Ok(Some(sample_state(5))),
+                    StateRequest::Restore(..) => Err(CpuStateError::MsrRejected {
+                        id: 5,
+                        index: 0x2ff,
+                        data: 1,
+                    }),
+                }
+            };
+            while c.may_run_serving(a, &mut stats, &mut serve) != Next::Stop {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            c.set(a, RunState::Exited);
+            served
+        });
+        let states = ctl.save_states(&ctx()).unwrap();
+        assert_eq!(states, [sample_state(5)]);
+        let e = ctl.restore_states(&states, &ctx()).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                VcpuError::State(CpuStateError::MsrRejected { index: 0x2ff, .. })
+            ),
+            "{e:?}"
+        );
+        // Both requests were served while the thread stayed paused.
+        assert_eq!(ctl.paused(), 1);
+        ctl.resume();
+        ctl.stop();
+        assert_eq!(t.join().unwrap(), 2);
+    }
+
+    #[test]
+    fn a_vcpu_that_never_comes_back_to_serve_times_out_naming_it() {
+        let ctl = VcpuControl::new().unwrap();
+        let (a, _b) = (ctl.register(), ctl.register());
+        let mut stats = VcpuStats::default();
+        // vCPU 0 is in a handler that does not return; vCPU 1 serves (the
+        // test wrapper answers with an error).
+        assert_eq!(ctl.may_run(a, &mut stats), Next::Run { nmi: false });
+        ctl.handling(a);
+        ctl.pause().unwrap();
+        let c = ctl.clone();
+        let t = std::thread::spawn(move || {
+            let mut stats = VcpuStats::default();
+            while c.may_run(1, &mut stats) != Next::Stop {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            c.set(1, RunState::Exited);
+        });
+        let start = std::time::Instant::now();
+        let e = ctl
+            .state_requests(|_| StateRequest::Save(ctx()), Duration::from_millis(100))
+            .unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(3));
+        match &e {
+            VcpuError::StateTimeout { vcpus, waited } => {
+                assert_eq!(vcpus, &[0]);
+                assert!(*waited >= Duration::from_millis(100));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(ctl.lock().requests[0].is_none(), "withdrawn");
+        ctl.resume();
+        ctl.stop();
+        t.join().unwrap();
     }
 }

@@ -5,7 +5,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{ConsoleInput, INPUT_BUFFER};
-use crate::snapshot::device_state::{hex_bytes, StateError};
+use crate::snapshot::device_state::StateError;
+use crate::snapshot::hex_bytes;
 
 /// The saved console input.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

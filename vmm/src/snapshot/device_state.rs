@@ -246,54 +246,19 @@ impl DeviceStates {
     }
 }
 
-/// Byte strings as lowercase hex in JSON (config space, FIFOs): compact
-/// and readable; reading refuses odd lengths and non-hex digits.
-pub mod hex_bytes {
-    use serde::{de::Error, Deserialize, Deserializer, Serializer};
-
-    /// Serializes `bytes` as hex.
-    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        let mut out = String::with_capacity(bytes.len() * 2);
-        for b in bytes {
-            out.push_str(&format!("{b:02x}"));
-        }
-        s.serialize_str(&out)
-    }
-
-    /// Reads hex back.
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        let s = String::deserialize(d)?;
-        decode(&s).map_err(D::Error::custom)
-    }
-
-    /// Decodes a hex string.
-    pub fn decode(s: &str) -> Result<Vec<u8>, String> {
-        if !s.len().is_multiple_of(2) {
-            return Err(format!("hex string of odd length {}", s.len()));
-        }
-        s.as_bytes()
-            .chunks(2)
-            .enumerate()
-            .map(|(i, pair)| {
-                std::str::from_utf8(pair)
-                    .ok()
-                    .and_then(|p| u8::from_str_radix(p, 16).ok())
-                    .ok_or_else(|| format!("not a hex digit pair at offset {}", 2 * i))
-            })
-            .collect()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn hex_round_trips_and_refuses_garbage() {
-        assert_eq!(hex_bytes::decode("00ff7a").unwrap(), vec![0, 0xff, 0x7a]);
-        assert!(hex_bytes::decode("0").is_err());
-        assert!(hex_bytes::decode("zz").is_err());
-        assert!(hex_bytes::decode("é0").is_err());
+        assert_eq!(
+            crate::snapshot::hex_bytes::decode("00ff7a").unwrap(),
+            vec![0, 0xff, 0x7a]
+        );
+        assert!(crate::snapshot::hex_bytes::decode("0").is_err());
+        assert!(crate::snapshot::hex_bytes::decode("zz").is_err());
+        assert!(crate::snapshot::hex_bytes::decode("é0").is_err());
     }
 
     #[test]

@@ -1,13 +1,21 @@
-//! Snapshot groundwork (issue 17): the pieces a snapshot is made of. The
-//! API still refuses `vm.snapshot` and `vm.restore`: these modules are not
-//! wired to it yet.
+//! Snapshot groundwork (issue 17): the pieces a snapshot is made of, each
+//! captured from a paused VM and restored into a fresh one. The API still
+//! refuses `vm.snapshot` and `vm.restore`: these modules are not wired to
+//! it yet.
 //!
+//! - [`cpu_state`]: every register set of a vCPU, captured and restored on
+//!   the vCPU's own thread (`VcpuControl::save_states`/`restore_states`);
+//! - [`vm_state`]: the in-kernel irqchip (PICs, IOAPIC) and the KVM clock;
 //! - [`device_state`]: the state of every device as serde structs, keyed by
 //!   device id ([`device_state::DeviceStates`]), captured from a machine
 //!   and restored into a machine built from the same config. The capture
 //!   and restore code of each device lives next to the device it reaches
 //!   into (`pci_config_state.rs`, `msix_state.rs`, `virtio_pci_state.rs`,
 //!   `pci_bus_state.rs`, `serial_state.rs`, `power_state.rs`,
-//!   `console_state.rs`, included by the device modules as child modules).
+//!   `console_state.rs`, included by the device modules as child modules);
+//! - [`hex_bytes`]: byte strings as hex in the JSON.
 
+pub mod cpu_state;
 pub mod device_state;
+pub mod hex_bytes;
+pub mod vm_state;

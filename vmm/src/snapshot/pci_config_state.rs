@@ -9,7 +9,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::{ConfigSpace, STANDARD_END};
-use crate::snapshot::device_state::{hex_bytes, StateError};
+use crate::snapshot::device_state::StateError;
+use crate::snapshot::hex_bytes;
 
 /// The saved config space of a function.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

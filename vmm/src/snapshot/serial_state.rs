@@ -11,7 +11,8 @@ use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::Serial;
 
 use super::{Irq, IrqTrigger, SerialDevice, SerialOutput};
-use crate::snapshot::device_state::{hex_bytes, StateError};
+use crate::snapshot::device_state::StateError;
+use crate::snapshot::hex_bytes;
 
 /// The receive FIFO's size (vm-superio's 16550A).
 const FIFO_SIZE: usize = 64;
