@@ -195,6 +195,8 @@ pub enum MemoryError {
     FileSize { actual: u64, expected: u64 },
     #[error("reading the file's size")]
     Metadata(#[source] io::Error),
+    #[error("duplicating the file's descriptor for the mappings")]
+    DupFile(#[source] io::Error),
     #[error("mapping RAM range at guest {gpa:#x} size {size:#x}")]
     Map {
         gpa: u64,
@@ -323,7 +325,7 @@ fn restore_copy(
     prefault: bool,
 ) -> Result<GuestMemoryMmap, MemoryError> {
     let mut regions = Vec::with_capacity(layout.ranges.len());
-    for r in &layout.ranges {
+    for (index, r) in layout.ranges.iter().enumerate() {
         let mapping = MmapRegionBuilder::new(range_len(r)?)
             .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
             .with_mmap_flags(
@@ -335,7 +337,7 @@ fn restore_copy(
                 size: r.size,
                 source,
             })?;
-        regions.push(map_region(mapping, r)?);
+        regions.push(map_region(mapping, index, r)?);
     }
     let memory = GuestMemoryMmap::from_regions(regions).map_err(MemoryError::Collection)?;
     let mut buf = vec![0u8; CHUNK];
@@ -414,13 +416,9 @@ fn restore_cow(
     layout: &MemoryLayout,
     prefault: bool,
 ) -> Result<GuestMemoryMmap, MemoryError> {
-    let shared = Arc::new(file.try_clone().map_err(|source| MemoryError::ReadFile {
-        offset: 0,
-        len: 0,
-        source,
-    })?);
+    let shared = Arc::new(file.try_clone().map_err(MemoryError::DupFile)?);
     let mut regions = Vec::with_capacity(layout.ranges.len());
-    for (r, file_offset) in layout.with_file_offsets() {
+    for (index, (r, file_offset)) in layout.with_file_offsets().enumerate() {
         let mapping = MmapRegionBuilder::new(range_len(&r)?)
             .with_file_offset(FileOffset::from_arc(shared.clone(), file_offset))
             .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
@@ -431,19 +429,21 @@ fn restore_cow(
                 size: r.size,
                 source,
             })?;
-        regions.push(map_region(mapping, &r)?);
+        regions.push(map_region(mapping, index, &r)?);
     }
     GuestMemoryMmap::from_regions(regions).map_err(MemoryError::Collection)
 }
 
+/// Range `index` of the layout as a guest region over `mapping`.
 fn map_region(
     mapping: vm_memory::MmapRegion,
+    index: usize,
     r: &MemoryRange,
 ) -> Result<GuestRegionMmap, MemoryError> {
     // `check` ruled out wrapping, the only reason `new` refuses.
     GuestRegionMmap::new(mapping, GuestAddress(r.gpa)).ok_or(MemoryError::Layout(
         LayoutError::Wraps {
-            index: 0,
+            index,
             gpa: r.gpa,
             size: r.size,
         },
