@@ -508,6 +508,37 @@ mod tests {
         assert!(!is_zero(&[0, 0, 1]));
     }
 
+    /// How many pages of `memory` are resident (`mincore`).
+    fn resident_pages(memory: &GuestMemoryMmap) -> usize {
+        let mut n = 0;
+        for r in memory.iter() {
+            let len = r.len() as usize;
+            let mut vec = vec![0u8; len.div_ceil(PAGE as usize)];
+            // SAFETY: the range is a live page-aligned mapping owned by
+            // `memory` (borrowed for the call), and `vec` has one byte per
+            // page of it, as mincore writes.
+            let rc = unsafe { libc::mincore(r.as_ptr().cast(), len, vec.as_mut_ptr()) };
+            assert_eq!(rc, 0, "mincore: {}", io::Error::last_os_error());
+            n += vec.iter().filter(|&&b| b & 1 != 0).count();
+        }
+        n
+    }
+
+    #[test]
+    fn prefault_populates_every_page() {
+        let l = layout(&[(0, 1 << 20), (1 << 32, 1 << 20)]);
+        let pages = (2 << 20) / PAGE as usize;
+        // An all-hole file: Copy touches nothing without prefault.
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(2 << 20).unwrap();
+        let m = restore(&f, &l, MemoryRestoreMode::Copy, false).unwrap();
+        assert_eq!(resident_pages(&m), 0);
+        let m = restore(&f, &l, MemoryRestoreMode::Copy, true).unwrap();
+        assert_eq!(resident_pages(&m), pages);
+        let m = restore(&f, &l, MemoryRestoreMode::CopyOnWrite, true).unwrap();
+        assert_eq!(resident_pages(&m), pages);
+    }
+
     #[test]
     fn on_demand_refused_and_size_checked() {
         let f = tempfile::tempfile().unwrap();
