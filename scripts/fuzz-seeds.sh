@@ -208,8 +208,21 @@ struct.pack_into('<HHH', m, 0x1000, 0, 1, 1)          # avail: flags, idx 1, rin
 open(sys.argv[1], 'wb').write(m)
 PY
 
+# snapshot_state, snapshot_config: a snapshot directory's state.json (the
+# envelope as vmm::snapshot::dir writes it: two RAM ranges, below and above
+# the 32-bit hole) and config.json (the VmConfig as vm.info shows it).
+st_dir="$root/fuzz/corpus/snapshot_state"
+cf_dir="$root/fuzz/corpus/snapshot_config"
+mkdir -p "$st_dir" "$cf_dir"
+rm -f "$st_dir"/seed-* "$cf_dir"/seed-*
+printf '%s' '{"version":1,"memory":{"ranges":[{"gpa":0,"size":3221225472},{"gpa":4294967296,"size":1073741824}]},"vcpus":[{"regs":{"rip":4096}}],"vm":{"clock":1},"devices":{"serial":{"lcr":3}},"pmem":[{"id":"_pmem0"}]}' >"$st_dir/seed-two-ranges"
+printf '%s' '{"version":1,"memory":{"ranges":[{"gpa":0,"size":4096}]},"vcpus":null,"vm":null,"devices":null,"pmem":[]}' >"$st_dir/seed-minimal"
+printf '%s' '{"version":2,"memory":{}}' >"$st_dir/seed-v2"
+printf '%s' '{"cpus":{"boot_vcpus":2,"max_vcpus":2},"memory":{"size":268435456},"payload":{"kernel":"/dev/null","cmdline":"console=ttyS0"},"rng":{"src":"/dev/urandom"},"pmem":[{"file":"/dev/null","id":"p0"}],"serial":{"mode":"Tty"},"console":{"mode":"Off"}}' >"$cf_dir/seed-full"
+printf '%s' '{"memory":{"size":1048576},"payload":{"kernel":"/proc/self/exe"}}' >"$cf_dir/seed-minimal"
+
 cd "$root"
-for t in image_open image_chain image_ops api_http options pmem_queue; do
+for t in image_open image_chain image_ops api_http options pmem_queue snapshot_state snapshot_config; do
     printf '%-12s %3d seeds, %7d bytes\n' "$t" \
         "$(find "fuzz/corpus/$t" -name 'seed-*' | wc -l)" \
         "$(cat fuzz/corpus/$t/seed-* | wc -c)"

@@ -593,14 +593,19 @@ pub fn check_log_format(s: &str) -> Result<(), OptionError> {
     Ok(())
 }
 
-/// How `--restore` brings guest RAM back (upstream's `MemoryRestoreMode`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// How `--restore` brings guest RAM back (upstream's `MemoryRestoreMode`;
+/// its JSON spelling is the variant's name: `"Copy"`, `"OnDemand"`,
+/// `"CopyOnWrite"`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum MemoryRestoreMode {
     /// Copy the snapshot into RAM before resuming.
     #[default]
     Copy,
     /// Fault pages in on demand.
     OnDemand,
+    /// Map `memory-ranges` `MAP_PRIVATE` as guest RAM: VMs restored from
+    /// one snapshot share its page cache.
+    CopyOnWrite,
 }
 
 /// `--restore`: upstream's `RestoreConfig` as its command line gives it.
@@ -622,14 +627,17 @@ pub struct RestoreConfig {
     pub resume: bool,
     /// NUMA zone updates: `(zone id, host node)`.
     pub zone_updates: Vec<(String, u32)>,
+    /// This VMM's clone extension (`pmem=[<id>@<path>,...]`): each pmem
+    /// device named gets its own writable file, `(pmem id, file)`.
+    pub pmem: Vec<(String, PathBuf)>,
 }
 
 impl RestoreConfig {
     /// The `--restore` syntax.
     pub const SYNTAX: &'static str = "source_url=<source_url>,prefault=on|off,\
-        memory_restore_mode=copy|ondemand,net_fds=<list_of_net_ids_with_their_associated_fds>,\
+        memory_restore_mode=copy|ondemand|copyonwrite,net_fds=<list_of_net_ids_with_their_associated_fds>,\
         vfio_fds=<list_of_vfio_ids_with_their_associated_fd>,iommufd_fd=<fd>,\
-        resume=true|false,zone_updates=<list_of_updates>";
+        resume=true|false,zone_updates=<list_of_updates>,pmem=[<pmem_id>@<clone_file>,...]";
 
     /// Parses a `--restore` value with upstream's keys.
     pub fn parse(s: &str) -> Result<Self, OptionError> {
@@ -642,7 +650,8 @@ impl RestoreConfig {
             .add("vfio_fds")
             .add("iommufd_fd")
             .add("resume")
-            .add("zone_updates");
+            .add("zone_updates")
+            .add("pmem");
         p.parse(s).map_err(err)?;
         let source_url = PathBuf::from(p.require("source_url").map_err(err)?);
         let memory_restore_mode = match p.get("memory_restore_mode") {
@@ -650,7 +659,14 @@ impl RestoreConfig {
             Some(v) => match v.to_ascii_lowercase().as_str() {
                 "copy" => MemoryRestoreMode::Copy,
                 "ondemand" => MemoryRestoreMode::OnDemand,
-                _ => return Err(err(invalid("memory_restore_mode", v, "copy or ondemand"))),
+                "copyonwrite" => MemoryRestoreMode::CopyOnWrite,
+                _ => {
+                    return Err(err(invalid(
+                        "memory_restore_mode",
+                        v,
+                        "copy, ondemand or copyonwrite",
+                    )))
+                }
             },
         };
         let tuples = |key: &str, expected: &str| -> Result<Option<Vec<(String, String)>>, _> {
@@ -691,6 +707,17 @@ impl RestoreConfig {
                     .map_err(|_| err(invalid("zone_updates", &node, "a host NUMA node")))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let pmem = tuples("pmem", "[<pmem_id>@<clone_file>,...]")?
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(id, file)| {
+                let file = file.trim();
+                if file.is_empty() {
+                    return Err(err(invalid("pmem", &id, "<pmem_id>@<clone_file>")));
+                }
+                Ok((id.trim().to_owned(), PathBuf::from(file)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(RestoreConfig {
             source_url,
             prefault: p.toggle("prefault").map_err(err)?.unwrap_or(false),
@@ -702,6 +729,7 @@ impl RestoreConfig {
                 .map_err(err)?,
             resume: p.toggle("resume").map_err(err)?.unwrap_or(false),
             zone_updates,
+            pmem,
         })
     }
 }

@@ -1,8 +1,15 @@
 //! Snapshot groundwork (issue 17): the pieces a snapshot is made of, each
 //! captured from a paused VM and restored into a fresh one. The API still
-//! refuses `vm.snapshot` and `vm.restore`: these modules are not wired to
-//! it yet.
+//! refuses `vm.snapshot` and `vm.restore`, and `--restore` is refused: these
+//! modules are not wired to them yet.
 //!
+//! - [`dir`]: the snapshot directory (`config.json`, the versioned
+//!   `state.json` envelope, `memory-ranges`), written crash-safely and read
+//!   with validation (`docs/snapshot-format.md`);
+//! - [`memory`]: guest RAM in `memory-ranges` (sparse) and its restore
+//!   modes (Copy, CopyOnWrite; OnDemand refused);
+//! - [`restore`]: what a restore asks for (upstream's RestoreConfig from
+//!   JSON or `--restore`, plus our pmem clones);
 //! - [`cpu_state`]: every register set of a vCPU, captured and restored on
 //!   the vCPU's own thread (`VcpuControl::save_states`/`restore_states`);
 //! - [`vm_state`]: the in-kernel irqchip (PICs, IOAPIC) and the KVM clock;
@@ -17,5 +24,8 @@
 
 pub mod cpu_state;
 pub mod device_state;
+pub mod dir;
 pub mod hex_bytes;
+pub mod memory;
+pub mod restore;
 pub mod vm_state;
