@@ -21,6 +21,9 @@ use vmm::testguest::{Check, Report, TestGuest, TEST_PORT};
 use vmm::vcpu::{self, PortIo, VcpuControl, VcpuStop};
 use vmm::{Vm, VmConfig};
 
+mod common;
+use common::chain;
+
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
 const STRIDE: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -86,17 +89,6 @@ impl Drop for MonitorThread {
             let _ = h.join();
         }
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s += ": ";
-        s += &c.to_string();
-        src = c.source();
-    }
-    s
 }
 
 fn check(gpa: u64, qwords: u64, seed: u64, write: bool) -> Check {

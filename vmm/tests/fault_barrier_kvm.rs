@@ -26,7 +26,6 @@
 //! passes, except under CI (`CI` set) with a `/dev/kvm` that exists.
 
 use std::os::fd::RawFd;
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,8 +37,10 @@ use vmm::pci::{InterruptSink, Mmio64Window, PciBus, PmemVirtio, VirtioPciDevice,
 use vmm::pmem_threads::{DeviceAlerts, QueueThread};
 use vmm::testguest::{Check, Report, TestGuest, TEST_PORT};
 use vmm::vcpu::{self, PortIo, VcpuControl, VcpuStop, VcpuThread, PAUSE_TIMEOUT};
-use vmm::{Vm, VmConfig, VmError};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+mod common;
+use common::{chain, vm_or_skip};
 
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
@@ -54,39 +55,6 @@ const USED: u64 = 0x2_2000;
 const REQ: u64 = 0x2_3000;
 const RESP: u64 = 0x2_3100;
 const QSIZE: u16 = 16;
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s += ": ";
-        s += &c.to_string();
-        src = c.source();
-    }
-    s
-}
-
-/// A VM, or `None` (printed as SKIPPED) when KVM is not usable here. Under
-/// CI a `/dev/kvm` that exists must work.
-fn vm_or_skip(test: &str) -> Option<Vm> {
-    match Vm::new(&VmConfig { ram_size: M2 }) {
-        Ok(vm) => Some(vm),
-        Err(e) => {
-            let dev = Path::new("/dev/kvm").exists();
-            if dev && std::env::var_os("CI").is_some() {
-                panic!(
-                    "{test}: /dev/kvm exists but does not work under CI: {}",
-                    chain(&e)
-                );
-            }
-            if !matches!(e, VmError::OpenKvm(_)) && dev {
-                eprintln!("{test}: note: /dev/kvm opened but the VM failed");
-            }
-            println!("SKIPPED: no /dev/kvm ({})", chain(&e));
-            None
-        }
-    }
-}
 
 fn uffd_or_skip(test: &str) -> bool {
     match Uffd::new() {
@@ -230,7 +198,7 @@ fn wait_reports(port: &Port, t: &VcpuThread, ctl: &VcpuControl, want: &[Report])
 fn a_flush_barrier_completes_while_a_vcpu_is_blocked_in_a_fault_and_the_write_lands() {
     let test = "a_flush_barrier_completes_while_a_vcpu_is_blocked_in_a_fault_and_the_write_lands";
     let t0 = Instant::now();
-    let Some(vm) = vm_or_skip(test) else {
+    let Some(vm) = vm_or_skip(test, M2) else {
         return;
     };
     if !uffd_or_skip(test) {

@@ -22,8 +22,11 @@ use vmm::pci::virtio_pci::{BAR_SIZE, DEVICE_CFG_OFFSET, ISR_OFFSET, NOTIFY_OFFSE
 use vmm::pci::{BarMove, InterruptSink, Mmio64Window, PciBus, PmemVirtio, VirtioPciDevice};
 use vmm::testguest::{Check, Report, Step, TestGuest, TEST_PORT};
 use vmm::vcpu::{self, MmioBus, PortIo, VcpuControl, VcpuStats, VcpuStop, VcpuThread};
-use vmm::{Vm, VmConfig, VmError};
+use vmm::Vm;
 use vmm_sys_util::eventfd::EventFd;
+
+mod common;
+use common::{chain, vm_or_skip};
 
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
@@ -36,40 +39,6 @@ const GUEST_DEADLINE: Duration = Duration::from_secs(20);
 /// between the notify and the barrier's hold (the vCPU is held, not
 /// polling, during the barrier itself).
 const USED_POLL_TRIES: u64 = 2_000_000;
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s += ": ";
-        s += &c.to_string();
-        src = c.source();
-    }
-    s
-}
-
-/// A VM, or `None` (printed as SKIPPED) when KVM is not usable here. Under
-/// CI a `/dev/kvm` that exists must work.
-fn vm_or_skip(test: &str, ram_size: u64) -> Option<Vm> {
-    match Vm::new(&VmConfig { ram_size }) {
-        Ok(vm) => Some(vm),
-        Err(e) => {
-            let dev = Path::new("/dev/kvm").exists();
-            let under_ci = std::env::var_os("CI").is_some();
-            if dev && under_ci {
-                panic!(
-                    "{test}: /dev/kvm exists but does not work under CI: {}",
-                    chain(&e)
-                );
-            }
-            if !matches!(e, VmError::OpenKvm(_)) && dev {
-                eprintln!("{test}: note: /dev/kvm opened but the VM failed");
-            }
-            println!("SKIPPED: no /dev/kvm ({})", chain(&e));
-            None
-        }
-    }
-}
 
 /// The guest's port reports, and the answer to its idle polls.
 #[derive(Clone, Default)]

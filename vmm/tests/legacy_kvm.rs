@@ -10,7 +10,6 @@
 //! must work, and a failure fails the test.
 
 use std::io;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,7 +24,10 @@ use vmm::legacy::{
 };
 use vmm::testguest::TestGuest;
 use vmm::vcpu::{self, VcpuControl, VcpuStop};
-use vmm::{Vm, VmConfig, VmError};
+use vmm::Vm;
+
+mod common;
+use common::{chain, vm_or_skip};
 
 const M2: u64 = 2 << 20;
 /// A guest gets this long.
@@ -33,39 +35,6 @@ const GUEST_DEADLINE: Duration = Duration::from_secs(20);
 const LSR: u16 = COM1_BASE + 5;
 /// COM2's LSR: no device there.
 const UNKNOWN_PORT: u16 = 0x2fd;
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s += ": ";
-        s += &c.to_string();
-        src = c.source();
-    }
-    s
-}
-
-/// A VM, or `None` (printed as SKIPPED) when KVM is not usable here. Under
-/// CI a `/dev/kvm` that exists must work.
-fn vm_or_skip(test: &str) -> Option<Vm> {
-    match Vm::new(&VmConfig { ram_size: M2 }) {
-        Ok(vm) => Some(vm),
-        Err(e) => {
-            let dev = Path::new("/dev/kvm").exists();
-            if dev && std::env::var_os("CI").is_some() {
-                panic!(
-                    "{test}: /dev/kvm exists but does not work under CI: {}",
-                    chain(&e)
-                );
-            }
-            if !matches!(e, VmError::OpenKvm(_)) && dev {
-                eprintln!("{test}: note: /dev/kvm opened but the VM failed");
-            }
-            println!("SKIPPED: no /dev/kvm ({})", chain(&e));
-            None
-        }
-    }
-}
 
 /// A tiny x86-64 assembler for the few instructions the guests use.
 #[derive(Default)]
@@ -176,7 +145,7 @@ fn run(vm: &Vm, code: &Code, bus: &PortBus, test: &str) -> VcpuStop {
 #[test]
 fn guest_serial_output_input_and_poweroff() {
     let test = "guest_serial_output_input_and_poweroff";
-    let Some(vm) = vm_or_skip(test) else {
+    let Some(vm) = vm_or_skip(test, M2) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -208,7 +177,7 @@ fn guest_serial_output_input_and_poweroff() {
 #[test]
 fn guest_reboot_writes_are_reset_events() {
     let test = "guest_reboot_writes_are_reset_events";
-    let Some(vm) = vm_or_skip(test) else {
+    let Some(vm) = vm_or_skip(test, M2) else {
         return;
     };
     let (bus, serial, rx) = bus(&ConsoleConfig::parse_serial("off").unwrap());

@@ -19,20 +19,12 @@ use vmm::snapshot::dir::{
 };
 use vmm::snapshot::memory::{LayoutError, MemoryRestoreMode};
 
+mod common;
+use common::chain;
+
 const PAGE: u64 = 4096;
 /// Two RAM ranges, below and above the 32-bit hole.
 const RANGES: [(u64, u64); 2] = [(0, 2 << 20), (4 << 30, 1 << 20)];
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
 
 /// A xorshift generator: content that is reproducible from a seed.
 struct Rng(u64);

@@ -8,7 +8,6 @@
 //! and passes, except under CI (`CI` set) when `/dev/kvm` exists: then it
 //! must work.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +18,10 @@ use vmm::snapshot::hex_bytes::HexBytes;
 use vmm::snapshot::vm_state::{VmState, VmStateError};
 use vmm::testguest::{Step, TestGuest};
 use vmm::vcpu::{self, VcpuControl, VcpuStop, VcpuThread};
-use vmm::{Vm, VmConfig, VmError};
+use vmm::{Vm, VmConfig};
+
+mod common;
+use common::{chain, vm_or_skip};
 
 const M2: u64 = 2 << 20;
 /// The guest's counter word.
@@ -34,42 +36,6 @@ const MSR_IA32_TSC: u32 = 0x10;
 const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
 const MSR_KVM_WALL_CLOCK_NEW: u32 = 0x4b56_4d00;
 const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s += ": ";
-        s += &c.to_string();
-        src = c.source();
-    }
-    s
-}
-
-/// A VM with its in-kernel irqchip, or `None` (printed as SKIPPED) when
-/// KVM is not usable here. Under CI a `/dev/kvm` that exists must work.
-fn vm_or_skip(test: &str) -> Option<Vm> {
-    match Vm::new(&VmConfig { ram_size: M2 }) {
-        Ok(vm) => {
-            vm.fd().create_irq_chip().expect("KVM_CREATE_IRQCHIP");
-            Some(vm)
-        }
-        Err(e) => {
-            let dev = Path::new("/dev/kvm").exists();
-            if dev && std::env::var_os("CI").is_some() {
-                panic!(
-                    "{test}: /dev/kvm exists but does not work under CI: {}",
-                    chain(&e)
-                );
-            }
-            if !matches!(e, VmError::OpenKvm(_)) && dev {
-                eprintln!("{test}: note: /dev/kvm opened but the VM failed");
-            }
-            println!("SKIPPED {test}: no /dev/kvm ({})", chain(&e));
-            None
-        }
-    }
-}
 
 /// A running machine: its vCPU threads under their control.
 struct Running {
@@ -174,7 +140,7 @@ fn counted_snapshot(
     nvcpus: u8,
     mark: u64,
 ) -> Option<(Vec<VcpuState>, VmState, Vec<u8>, u64)> {
-    let vm = vm_or_skip(test)?;
+    let vm = vm_or_skip(test, M2)?;
     vm.memory()
         .write_obj(START, GuestAddress(COUNTER))
         .expect("counter start");
@@ -199,7 +165,7 @@ fn counted_snapshot(
 
 /// A fresh VM 2 with `ram` copied in and a paused vCPU thread.
 fn fresh_vm_with(test: &str, ram: &[u8], nvcpus: u8) -> Option<(Vm, Running)> {
-    let vm = vm_or_skip(test)?;
+    let vm = vm_or_skip(test, M2)?;
     vm.memory()
         .write_slice(ram, GuestAddress(0))
         .expect("RAM in");
@@ -451,7 +417,7 @@ fn a_state_that_does_not_fit_fails_naming_what() {
 #[test]
 fn msrs_kvm_cannot_read_are_left_out_and_the_rest_saved() {
     let test = "msrs_kvm_cannot_read_are_left_out_and_the_rest_saved";
-    let Some(vm) = vm_or_skip(test) else {
+    let Some(vm) = vm_or_skip(test, M2) else {
         return;
     };
     let run = start_paused(&vm, 1);

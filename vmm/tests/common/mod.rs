@@ -110,3 +110,31 @@ pub fn call(sock: &Path, method: &str, action: &str, body: Option<&Value>) -> (u
     let (status, _, body) = exchange(sock, raw.as_bytes());
     (status, body)
 }
+
+/// An error and its causes on one line (the workspace's format).
+pub fn chain(e: &dyn std::error::Error) -> String {
+    error_report::chain(e)
+}
+
+/// A VM with `ram_size` bytes of RAM, or `None` (printed as SKIPPED) when
+/// KVM is not usable here. Under CI a `/dev/kvm` that exists must work.
+pub fn vm_or_skip(test: &str, ram_size: u64) -> Option<vmm::vm::Vm> {
+    use vmm::vm::{Vm, VmConfig, VmError};
+    match Vm::new(&VmConfig { ram_size }) {
+        Ok(vm) => Some(vm),
+        Err(e) => {
+            let dev = Path::new("/dev/kvm").exists();
+            if dev && std::env::var_os("CI").is_some() {
+                panic!(
+                    "{test}: /dev/kvm exists but does not work under CI: {}",
+                    chain(&e)
+                );
+            }
+            if !matches!(e, VmError::OpenKvm(_)) && dev {
+                eprintln!("{test}: note: /dev/kvm opened but the VM failed");
+            }
+            println!("SKIPPED: no /dev/kvm ({})", chain(&e));
+            None
+        }
+    }
+}
