@@ -37,6 +37,13 @@ const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
 const MSR_KVM_WALL_CLOCK_NEW: u32 = 0x4b56_4d00;
 const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
 
+/// A VM with its in-kernel irqchip, or `None` (SKIPPED) without KVM.
+fn vm_with_irqchip(test: &str) -> Option<Vm> {
+    let vm = vm_or_skip(test, M2)?;
+    vm.fd().create_irq_chip().expect("KVM_CREATE_IRQCHIP");
+    Some(vm)
+}
+
 /// A running machine: its vCPU threads under their control.
 struct Running {
     ctl: Arc<VcpuControl>,
@@ -140,7 +147,7 @@ fn counted_snapshot(
     nvcpus: u8,
     mark: u64,
 ) -> Option<(Vec<VcpuState>, VmState, Vec<u8>, u64)> {
-    let vm = vm_or_skip(test, M2)?;
+    let vm = vm_with_irqchip(test)?;
     vm.memory()
         .write_obj(START, GuestAddress(COUNTER))
         .expect("counter start");
@@ -165,7 +172,7 @@ fn counted_snapshot(
 
 /// A fresh VM 2 with `ram` copied in and a paused vCPU thread.
 fn fresh_vm_with(test: &str, ram: &[u8], nvcpus: u8) -> Option<(Vm, Running)> {
-    let vm = vm_or_skip(test, M2)?;
+    let vm = vm_with_irqchip(test)?;
     vm.memory()
         .write_slice(ram, GuestAddress(0))
         .expect("RAM in");
@@ -417,7 +424,7 @@ fn a_state_that_does_not_fit_fails_naming_what() {
 #[test]
 fn msrs_kvm_cannot_read_are_left_out_and_the_rest_saved() {
     let test = "msrs_kvm_cannot_read_are_left_out_and_the_rest_saved";
-    let Some(vm) = vm_or_skip(test, M2) else {
+    let Some(vm) = vm_with_irqchip(test) else {
         return;
     };
     let run = start_paused(&vm, 1);
