@@ -84,7 +84,7 @@ fi
 # Every fuzz target for a bounded time (cargo-fuzz on the stable toolchain,
 # docs/fuzzing.md): any crash, leak, timeout or OOM fails. FUZZ_SECONDS=0
 # skips this step (and says so).
-fuzz_secs=${FUZZ_SECONDS:-20}
+fuzz_secs=${FUZZ_SECONDS:-12}
 if [ "$fuzz_secs" -gt 0 ]; then
     step "fuzzing: every target for ${fuzz_secs} s (scripts/fuzz.sh)"
     scripts/fuzz.sh "$fuzz_secs"
