@@ -90,32 +90,35 @@ fn is_empty(body: &[u8]) -> bool {
     body.iter().all(u8::is_ascii_whitespace)
 }
 
-/// Longest id, snapshot tag or snapshot reference (the JSON keys in
-/// [`ID_KEYS`]), in bytes: pcow's own tag limit.
-pub const MAX_ID_LEN: usize = 255;
+/// Longest device id (the JSON key `id`, at any depth), in bytes.
+pub const MAX_ID_LEN: usize = 1024;
+/// Longest snapshot tag or snapshot reference (the keys `tag` and
+/// `snapshot`), in bytes: pcow's own tag limit.
+pub const MAX_TAG_LEN: usize = 255;
 /// Longest other string (paths, the kernel command line...), in bytes:
 /// Linux's `PATH_MAX`.
 pub const MAX_STRING_LEN: usize = 4096;
-/// The keys whose strings are ids (bounded by [`MAX_ID_LEN`]).
-pub const ID_KEYS: &[&str] = &["id", "tag", "snapshot"];
+
+/// The longest string accepted under the JSON key `key`.
+pub fn max_len(key: Option<&str>) -> usize {
+    match key {
+        Some("id") => MAX_ID_LEN,
+        Some("tag" | "snapshot") => MAX_TAG_LEN,
+        _ => MAX_STRING_LEN,
+    }
+}
 /// The first element of the answer to a body with a string too long or
 /// with a control character.
 pub const INVALID_STRING: &str = "Invalid string in the request";
 
 /// Checks every string of a request body, keys included: at most
-/// [`MAX_ID_LEN`] bytes under a key of [`ID_KEYS`], [`MAX_STRING_LEN`]
-/// elsewhere, and no control character (U+0000..U+001F, U+007F..U+009F).
+/// [`max_len`] bytes, and no control character (U+0000..U+001F, U+007F..U+009F).
 /// The refusal names the field (its JSON path), never echoes the string.
 pub fn check_strings(v: &Value) -> Result<(), ApiError> {
     fn walk(v: &Value, path: &mut String, key: Option<&str>) -> Result<(), String> {
         match v {
             Value::String(s) => {
-                let max = if key.is_some_and(|k| ID_KEYS.contains(&k)) {
-                    MAX_ID_LEN
-                } else {
-                    MAX_STRING_LEN
-                };
-                check_one(s, max).map_err(|why| format!("`{path}`: {why}"))
+                check_one(s, max_len(key)).map_err(|why| format!("`{path}`: {why}"))
             }
             Value::Array(a) => {
                 for (i, e) in a.iter().enumerate() {
@@ -153,8 +156,20 @@ fn check_one(s: &str, max: usize) -> Result<(), String> {
     if s.len() > max {
         return Err(format!("{} bytes, at most {max} are accepted", s.len()));
     }
-    if let Some(at) = s.chars().position(char::is_control) {
-        return Err(format!("control character at character {at}"));
+    if let Some((at, c)) = s.chars().enumerate().find(|(_, c)| c.is_control()) {
+        let name = match c {
+            '\0' => " (NUL)",
+            '\t' => " (tab)",
+            '\n' => " (newline)",
+            '\r' => " (carriage return)",
+            '\u{1b}' => " (escape)",
+            '\u{7f}' => " (DEL)",
+            _ => "",
+        };
+        return Err(format!(
+            "control character U+{:04X}{name} at character {at}",
+            u32::from(c)
+        ));
     }
     Ok(())
 }
@@ -238,7 +253,6 @@ mod tests {
     /// a control character.
     #[test]
     fn strings_are_bounded_and_printable() {
-        let id = "i".repeat(MAX_ID_LEN);
         let path = format!("/{}", "p".repeat(MAX_STRING_LEN - 1));
         let cases: &[(&str, &str, &str)] = &[
             ("vm.pmem-snapshot", r#"{"id":"p","tag":X}"#, "tag"),
@@ -269,8 +283,11 @@ mod tests {
         ];
         for &(action, template, field) in cases {
             let p = format!("{PREFIX}{action}");
-            let is_id = ID_KEYS.contains(&field.rsplit('.').next().unwrap());
-            let at = if is_id { &id } else { &path };
+            let key = field.rsplit('.').next().unwrap();
+            let at = &match max_len(Some(key)) {
+                MAX_STRING_LEN => path.clone(),
+                n => "i".repeat(n),
+            };
             let body = |s: &str| template.replace('X', &serde_json::to_string(s).unwrap());
             // At the limit: no string error (the action itself may be fine).
             if let Err(e) = route("PUT", &p, body(at).as_bytes()) {
