@@ -1131,4 +1131,45 @@ mod tests {
             }
         }
     }
+
+    /// Every id, tag, snapshot reference and path: at its limit, past it,
+    /// and with a control character (C0, DEL, C1).
+    #[test]
+    fn strings_are_bounded_and_printable() {
+        use crate::options::{max_len, MAX_STRING_LEN};
+        let path = format!("/{}", "p".repeat(MAX_STRING_LEN - 1));
+        let cases: &[(Builder, &str, &str)] = &[
+            (pmem_snapshot, "id=p0,tag=X", "tag"),
+            (pmem_snapshot, "id=X,tag=t", "id"),
+            (pmem_overlay, "id=p0,file=X", "file"),
+            (pmem_rollback, "id=p0,snapshot=X", "snapshot"),
+            (pmem_snapshot_delete, "id=p0,snapshot=X", "snapshot"),
+            (pmem_flush, "id=X", "id"),
+            (pmem_flush, "X", "device id"),
+            (remove_device, "X", "device id"),
+            (add_pmem, "file=X", "file"),
+            (add_pmem, "file=/f,id=X", "id"),
+        ];
+        for &(f, template, key) in cases {
+            let at = &match max_len(key) {
+                MAX_STRING_LEN => path.clone(),
+                n => "i".repeat(n),
+            };
+            assert!(
+                f(&template.replace('X', at)).is_ok(),
+                "{template} at the limit"
+            );
+            let e = f(&template.replace('X', &format!("{at}x")))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(&format!("`{key}` is")), "{template}: {e}");
+            assert!(e.contains("at most"), "{template}: {e}");
+            for c in ['\n', '\u{7f}', '\u{85}'] {
+                let e = f(&template.replace('X', &format!("a{c}b")))
+                    .unwrap_err()
+                    .to_string();
+                assert!(e.contains("control character"), "{template} {c:?}: {e}");
+            }
+        }
+    }
 }

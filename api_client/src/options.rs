@@ -30,6 +30,8 @@ pub enum OptionError {
     Required { key: &'static str },
     #[error("`{key}` contains a control character (byte {byte:#04x})")]
     ControlCharacter { key: String, byte: u8 },
+    #[error("`{key}` is {len} bytes long: at most {max} are accepted")]
+    TooLong { key: String, len: usize, max: usize },
     #[error("invalid value `{value}` for `{key}`: expected {expected}")]
     InvalidValue {
         key: String,
@@ -72,10 +74,7 @@ impl Options {
         }
         // Before splitting: an escape sequence's `[` must not pass for a
         // list bracket.
-        if let Some(item) = input
-            .split(',')
-            .find(|i| i.bytes().any(|b| b.is_ascii_control()))
-        {
+        if let Some(item) = input.split(',').find(|i| i.chars().any(char::is_control)) {
             let (key, value) = item.split_once('=').unwrap_or(("", item));
             check_printable(key.trim(), value)?;
         }
@@ -239,16 +238,45 @@ impl Options {
     }
 }
 
-/// Refuses ASCII control characters in a value: never meant, and a
-/// newline or escape in an id or a path only hides what was sent.
-pub fn check_printable(key: &str, value: &str) -> Result<(), OptionError> {
-    match value.bytes().find(|b| b.is_ascii_control()) {
-        Some(byte) => Err(OptionError::ControlCharacter {
-            key: key.to_owned(),
-            byte,
-        }),
-        None => Ok(()),
+/// Longest device id, in bytes (the API's limit).
+pub const MAX_ID_LEN: usize = 1024;
+/// Longest snapshot tag or reference, in bytes (the API's limit, pcow's).
+pub const MAX_TAG_LEN: usize = 255;
+/// Longest other value (a path...), in bytes: Linux's `PATH_MAX`, the API's
+/// limit.
+pub const MAX_STRING_LEN: usize = 4096;
+
+/// The longest value `key` accepts: [`MAX_ID_LEN`] for ids,
+/// [`MAX_TAG_LEN`] for tags and snapshot references, [`MAX_STRING_LEN`]
+/// for the rest.
+pub fn max_len(key: &str) -> usize {
+    match key {
+        "id" | "device id" => MAX_ID_LEN,
+        "tag" | "snapshot" => MAX_TAG_LEN,
+        _ => MAX_STRING_LEN,
     }
+}
+
+/// Refuses control characters in a value (C0, DEL and C1: never meant,
+/// and a newline or escape in an id or a path only hides what was sent),
+/// and a value longer than [`max_len`] (the API would refuse it).
+pub fn check_printable(key: &str, value: &str) -> Result<(), OptionError> {
+    if let Some(c) = value.chars().find(|c| c.is_control()) {
+        return Err(OptionError::ControlCharacter {
+            key: key.to_owned(),
+            // Control characters are all below U+00A0: one byte's worth.
+            byte: u8::try_from(u32::from(c)).unwrap_or(u8::MAX),
+        });
+    }
+    let max = max_len(key);
+    if value.len() > max {
+        return Err(OptionError::TooLong {
+            key: key.to_owned(),
+            len: value.len(),
+            max,
+        });
+    }
+    Ok(())
 }
 
 /// Splits at commas outside quotes and brackets.

@@ -543,8 +543,14 @@ fn create_refuses_what_it_cannot_send() {
 #[test]
 fn bad_arguments_fail_before_connecting() {
     let server = FakeServer::start(&[]);
-    let huge = format!("file=/a,id={}", "x".repeat(100_000));
+    // The longest id accepted (1024 bytes, the API's limit).
+    let huge = format!("file=/a,id={}", "x".repeat(1024));
+    let too_long = format!("file=/a,id={}", "x".repeat(100_000));
     let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["add-pmem", &too_long],
+            "  1: `id` is 100000 bytes long: at most 1024 are accepted\n",
+        ),
         (
             vec!["add-pmem", "file=/a,readonly=on"],
             "  0: Error parsing persistent memory syntax\n  1: unknown option `readonly` \
@@ -587,7 +593,7 @@ fn bad_arguments_fail_before_connecting() {
         assert_eq!(stdout(&out), "");
     }
     assert!(server.requests().is_empty());
-    // A huge but valid argument is sent whole.
+    // The longest valid argument is sent whole.
     let server = FakeServer::start(&[("PUT vm.add-pmem", no_content())]);
     let out = server.run(&["add-pmem", &huge]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -595,7 +601,7 @@ fn bad_arguments_fail_before_connecting() {
     assert_eq!(sent.len(), 1);
     assert!(sent[0].ends_with(&format!(
         "\"id\":\"{}\",\"pci_segment\":0,\"file\":\"/a\",\"discard_writes\":false}}",
-        "x".repeat(100_000)
+        "x".repeat(1024)
     )));
 }
 

@@ -1,6 +1,15 @@
 //! The HTTP/1.1 server on the API's Unix socket: an accept thread and one
-//! thread per connection (at most [`MAX_CONNECTIONS`]), requests parsed with
-//! `httparse`, answered in order on the connection (keep-alive).
+//! thread per connection (at most [`MAX_CONNECTIONS`], far more than slow
+//! clients can usefully fill), requests parsed with `httparse`, answered in
+//! order on the connection (keep-alive).
+//!
+//! Every request has deadlines ([`Limits`]): its whole head must arrive
+//! within [`HEAD_TIMEOUT`] of the server starting to wait for it (an idle
+//! keep-alive connection counts as a slow head), and its body within
+//! [`BODY_TIMEOUT`] plus one second per [`BODY_MIN_RATE`] bytes declared.
+//! A connection whose deadline passes is closed without an answer. A slow
+//! client therefore only ties up its own small-stack thread, for a bounded
+//! time, and never delays a fast one.
 //!
 //! The socket is created mode 0600. A lock file next to it (`PATH.lock`,
 //! `flock`ed for the server's life) stops a second VMM from taking the
@@ -25,12 +34,54 @@ pub const MAX_BODY: usize = 4 << 20;
 /// Largest request head (request line and headers).
 pub const MAX_HEAD: usize = 16 << 10;
 /// Concurrent connections served; more are answered 503 and closed.
-pub const MAX_CONNECTIONS: usize = 64;
-/// A client that sends nothing for this long is disconnected.
-pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+pub const MAX_CONNECTIONS: usize = 4096;
+/// A whole request head must arrive within this long of the server starting
+/// to wait for it (after accepting, or after answering the previous one).
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// The time a body gets on top of its size-scaled share ([`BODY_MIN_RATE`]).
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(5);
+/// The slowest body accepted, in bytes per second: a body of `n` bytes must
+/// arrive within `BODY_TIMEOUT + n / BODY_MIN_RATE` seconds.
+pub const BODY_MIN_RATE: u64 = 64 << 10;
 /// A client that reads nothing for this long is disconnected.
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_HEADERS: usize = 64;
+/// Stack of a connection thread: parsing and routing need little, and a
+/// small stack keeps thousands of connections cheap.
+const CONN_STACK: usize = 256 << 10;
+
+/// The server's per-connection limits (the defaults are the constants
+/// above; tests use shorter deadlines).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// See [`HEAD_TIMEOUT`].
+    pub head_timeout: Duration,
+    /// See [`BODY_TIMEOUT`].
+    pub body_timeout: Duration,
+    /// See [`BODY_MIN_RATE`] (bytes per second, at least 1).
+    pub body_min_rate: u64,
+    /// See [`MAX_CONNECTIONS`].
+    pub max_connections: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            head_timeout: HEAD_TIMEOUT,
+            body_timeout: BODY_TIMEOUT,
+            body_min_rate: BODY_MIN_RATE,
+            max_connections: MAX_CONNECTIONS,
+        }
+    }
+}
+
+impl Limits {
+    /// How long a body of `len` bytes may take to arrive.
+    pub fn body_time(&self, len: usize) -> Duration {
+        let rate = self.body_min_rate.max(1);
+        self.body_timeout + Duration::from_millis((len as u64).saturating_mul(1000) / rate)
+    }
+}
 
 /// Errors of setting up the server.
 #[allow(missing_docs)] // the messages document the variants
@@ -77,6 +128,16 @@ impl HttpServer {
     /// Creates the socket at `path` and serves it, sending requests
     /// through `api`.
     pub fn start(path: &Path, api: ApiSender) -> Result<HttpServer, HttpError> {
+        Self::start_with(path, api, Limits::default())
+    }
+
+    /// [`HttpServer::start`] with other per-connection limits (tests and
+    /// benchmarks use short deadlines).
+    pub fn start_with(
+        path: &Path,
+        api: ApiSender,
+        limits: Limits,
+    ) -> Result<HttpServer, HttpError> {
         let mut lock_path = path.as_os_str().to_owned();
         lock_path.push(".lock");
         let lock_path = PathBuf::from(lock_path);
@@ -115,7 +176,7 @@ impl HttpServer {
         let listener = UnixListener::bind(path).map_err(bind_err)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(bind_err)?;
         log::info!("API socket {}", path.display());
-        Self::serve(listener, api, Some((path.to_owned(), lock)))
+        Self::serve(listener, api, Some((path.to_owned(), lock)), limits)
     }
 
     /// Serves an inherited listening Unix socket (`--api-socket fd=N`, as
@@ -136,19 +197,20 @@ impl HttpServer {
             });
         }
         log::info!("API socket: inherited fd {fd}");
-        Self::serve(listener, api, None)
+        Self::serve(listener, api, None, Limits::default())
     }
 
     fn serve(
         listener: UnixListener,
         api: ApiSender,
         created: Option<(PathBuf, File)>,
+        limits: Limits,
     ) -> Result<HttpServer, HttpError> {
         let in_flight = Arc::new(AtomicUsize::new(0));
         let inf = in_flight.clone();
         let accept = std::thread::Builder::new()
             .name("http-api".into())
-            .spawn(move || accept_loop(listener, api, inf))
+            .spawn(move || accept_loop(listener, api, inf, limits))
             .map_err(HttpError::Thread)?;
         Ok(HttpServer {
             created,
@@ -213,7 +275,12 @@ fn check_listener(fd: RawFd) -> Result<(), HttpError> {
     Ok(())
 }
 
-fn accept_loop(listener: UnixListener, api: ApiSender, in_flight: Arc<AtomicUsize>) {
+fn accept_loop(
+    listener: UnixListener,
+    api: ApiSender,
+    in_flight: Arc<AtomicUsize>,
+    limits: Limits,
+) {
     let active = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         let mut stream = match stream {
@@ -224,7 +291,7 @@ fn accept_loop(listener: UnixListener, api: ApiSender, in_flight: Arc<AtomicUsiz
                 continue;
             }
         };
-        if active.load(Ordering::Acquire) >= MAX_CONNECTIONS {
+        if active.load(Ordering::Acquire) >= limits.max_connections {
             let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
             let busy = ApiError::new(503, "too many API connections");
             let _ = write_response(&mut stream, &Answer::Err(&busy), true);
@@ -234,8 +301,9 @@ fn accept_loop(listener: UnixListener, api: ApiSender, in_flight: Arc<AtomicUsiz
         let (api, act, inf) = (api.clone(), active.clone(), in_flight.clone());
         let spawned = std::thread::Builder::new()
             .name("http-conn".into())
+            .stack_size(CONN_STACK)
             .spawn(move || {
-                serve_connection(stream, &api, &inf);
+                serve_connection(stream, &api, &inf, &limits);
                 act.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
@@ -266,9 +334,71 @@ fn io_gone(e: io::Error) -> ReadError {
     ReadError::Gone
 }
 
-/// Reads one request; `buf` keeps bytes of the next one.
-fn read_request(stream: &mut impl Read, buf: &mut Vec<u8>) -> Result<Request, ReadError> {
+/// A byte source whose reads can be bounded in time.
+trait DeadlineRead: Read {
+    /// Makes the next reads wait at most `timeout` (never zero).
+    fn set_timeout(&mut self, timeout: Duration) -> io::Result<()>;
+}
+
+impl DeadlineRead for UnixStream {
+    fn set_timeout(&mut self, timeout: Duration) -> io::Result<()> {
+        self.set_read_timeout(Some(timeout))
+    }
+}
+
+impl DeadlineRead for io::Cursor<&[u8]> {
+    fn set_timeout(&mut self, _: Duration) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Reads more bytes into `buf` before `deadline`; a passed deadline, an
+/// error or the end of the stream is [`ReadError::Gone`].
+fn read_before(
+    stream: &mut impl DeadlineRead,
+    buf: &mut Vec<u8>,
+    deadline: Instant,
+    what: &str,
+) -> Result<(), ReadError> {
     let mut chunk = [0u8; 8192];
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        log::debug!("API: closing a connection: its {what} deadline passed");
+        return Err(ReadError::Gone);
+    }
+    stream.set_timeout(left).map_err(io_gone)?;
+    let n = match stream.read(&mut chunk) {
+        Ok(n) => n,
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            log::debug!("API: closing a connection: its {what} deadline passed");
+            return Err(ReadError::Gone);
+        }
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => return Ok(()),
+        Err(e) => return Err(io_gone(e)),
+    };
+    if n == 0 {
+        if !buf.is_empty() {
+            log::debug!("API: client closed in the middle of a request {what}");
+        }
+        return Err(ReadError::Gone);
+    }
+    buf.extend_from_slice(&chunk[..n]);
+    Ok(())
+}
+
+/// Reads one request within `limits`' deadlines; `buf` keeps bytes of the
+/// next one.
+fn read_request(
+    stream: &mut impl DeadlineRead,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+) -> Result<Request, ReadError> {
+    let head_deadline = Instant::now() + limits.head_timeout;
     let (head_len, method, path, content_length, close) = loop {
         let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut headers);
@@ -323,14 +453,7 @@ fn read_request(stream: &mut impl Read, buf: &mut Vec<u8>) -> Result<Request, Re
                 )))
             }
         }
-        let n = stream.read(&mut chunk).map_err(io_gone)?;
-        if n == 0 {
-            if !buf.is_empty() {
-                log::debug!("API: client closed in the middle of a request head");
-            }
-            return Err(ReadError::Gone);
-        }
-        buf.extend_from_slice(&chunk[..n]);
+        read_before(stream, buf, head_deadline, "head")?;
     };
     if content_length > MAX_BODY {
         return Err(ReadError::Bad(ApiError::new(
@@ -339,13 +462,9 @@ fn read_request(stream: &mut impl Read, buf: &mut Vec<u8>) -> Result<Request, Re
         )));
     }
     buf.drain(..head_len);
+    let body_deadline = Instant::now() + limits.body_time(content_length);
     while buf.len() < content_length {
-        let n = stream.read(&mut chunk).map_err(io_gone)?;
-        if n == 0 {
-            log::debug!("API: client closed in the middle of a request body");
-            return Err(ReadError::Gone);
-        }
-        buf.extend_from_slice(&chunk[..n]);
+        read_before(stream, buf, body_deadline, "body")?;
     }
     let body = buf.drain(..content_length).collect();
     Ok(Request {
@@ -362,7 +481,7 @@ fn read_request(stream: &mut impl Read, buf: &mut Vec<u8>) -> Result<Request, Re
 pub fn parse_and_route(input: &[u8]) -> Option<Result<super::ApiRequest, ApiError>> {
     let mut cursor = io::Cursor::new(input);
     let mut buf = Vec::new();
-    match read_request(&mut cursor, &mut buf) {
+    match read_request(&mut cursor, &mut buf, &Limits::default()) {
         Ok(req) => Some(route(&req.method, &req.path, &req.body)),
         Err(ReadError::Bad(e)) => Some(Err(e)),
         Err(ReadError::Gone) => None,
@@ -452,15 +571,18 @@ fn write_response(stream: &mut UnixStream, answer: &Answer, close: bool) -> io::
     stream.flush()
 }
 
-fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicUsize) {
-    if stream.set_read_timeout(Some(READ_TIMEOUT)).is_err()
-        || stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err()
-    {
+fn serve_connection(
+    mut stream: UnixStream,
+    api: &ApiSender,
+    in_flight: &AtomicUsize,
+    limits: &Limits,
+) {
+    if stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
         return;
     }
     let mut buf = Vec::new();
     loop {
-        match read_request(&mut stream, &mut buf) {
+        match read_request(&mut stream, &mut buf, limits) {
             Ok(req) => {
                 let result = match route(&req.method, &req.path, &req.body) {
                     Ok(action) => {
@@ -491,9 +613,131 @@ fn serve_connection(mut stream: UnixStream, api: &ApiSender, in_flight: &AtomicU
     }
 }
 
+/// A stand-in VMM for tests and benchmarks: a thread that answers every
+/// request on `rx` with `vmm.ping`'s empty success, woken by its eventfd.
+#[doc(hidden)]
+pub fn spawn_ping_responder(rx: super::ApiReceiver) -> io::Result<JoinHandle<()>> {
+    use std::os::fd::AsRawFd;
+    struct Pong;
+    impl super::RequestHandler for Pong {
+        fn handle(&mut self, _: ApiRequest) -> super::HandlerResult {
+            Ok(None)
+        }
+    }
+    std::thread::Builder::new()
+        .name("api-responder".into())
+        .spawn(move || loop {
+            let mut pfd = libc::pollfd {
+                fd: rx.evt.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd that lives through the call.
+            unsafe { libc::poll(&mut pfd, 1, 100) };
+            rx.serve(&mut Pong);
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn server(limits: Limits) -> (tempfile::TempDir, PathBuf, HttpServer) {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let (tx, rx) = super::super::channel().unwrap();
+        spawn_ping_responder(rx).unwrap();
+        let srv = HttpServer::start_with(&sock, tx, limits).unwrap();
+        (dir, sock, srv)
+    }
+
+    fn ping(sock: &Path) -> String {
+        let mut c = UnixStream::connect(sock).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(b"GET /api/v1/vmm.ping HTTP/1.1\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    /// Reads until the server closes; Err if it does not within 10 s.
+    fn closed_by_server(c: &mut UnixStream) -> io::Result<Vec<u8>> {
+        c.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut out = Vec::new();
+        c.read_to_end(&mut out)?;
+        Ok(out)
+    }
+
+    #[test]
+    fn idle_and_slow_connections_are_closed_by_their_deadline() {
+        let limits = Limits {
+            head_timeout: Duration::from_millis(300),
+            body_timeout: Duration::from_millis(300),
+            body_min_rate: 1 << 20,
+            max_connections: MAX_CONNECTIONS,
+        };
+        let (_dir, sock, _srv) = server(limits);
+        let t0 = Instant::now();
+        let mut conns: Vec<UnixStream> = (0..1000)
+            .map(|_| UnixStream::connect(&sock).unwrap())
+            .collect();
+        // Some send part of a head, some part of a declared 4 MiB body.
+        for (i, c) in conns.iter_mut().enumerate() {
+            match i % 4 {
+                1 => c.write_all(b"GET /api/v1/vm").unwrap(),
+                2 => c
+                    .write_all(b"PUT /api/v1/vm.boot HTTP/1.1\r\nContent-Length: 4194304\r\n\r\n{")
+                    .unwrap(),
+                _ => {}
+            }
+        }
+        for (i, c) in conns.iter_mut().enumerate() {
+            let out = closed_by_server(c).unwrap_or_else(|e| panic!("connection {i}: {e}"));
+            assert!(out.is_empty(), "connection {i} got an answer");
+        }
+        // 300 ms deadlines (a 4 MiB body at 1 MiB/s: 4.3 s): all gone well
+        // before the 10 s the client would wait for each.
+        assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+        assert!(ping(&sock).starts_with("HTTP/1.1 204 \r\n"));
+    }
+
+    #[test]
+    fn ping_answers_while_hundreds_of_slow_connections_are_open() {
+        let (_dir, sock, _srv) = server(Limits::default());
+        let mut slow: Vec<UnixStream> = (0..500)
+            .map(|_| UnixStream::connect(&sock).unwrap())
+            .collect();
+        for (i, c) in slow.iter_mut().enumerate() {
+            if i % 2 == 0 {
+                c.write_all(b"GET /api/v1/vmm.pi").unwrap();
+            } else {
+                c.write_all(b"PUT /api/v1/vm.boot HTTP/1.1\r\nContent-Length: 4194304\r\n\r\n{")
+                    .unwrap();
+            }
+        }
+        for _ in 0..20 {
+            let out = ping(&sock);
+            assert!(out.starts_with("HTTP/1.1 204 \r\n"), "{out}");
+        }
+        // The slow ones are still open (served, not refused with a 503).
+        for c in slow.iter_mut() {
+            c.set_nonblocking(true).unwrap();
+            let mut b = [0u8; 1];
+            let e = c.read(&mut b).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        }
+    }
+
+    #[test]
+    fn a_body_gets_time_by_its_length() {
+        let l = Limits::default();
+        assert_eq!(l.body_time(0), BODY_TIMEOUT);
+        assert_eq!(
+            l.body_time(MAX_BODY),
+            BODY_TIMEOUT + Duration::from_secs(MAX_BODY as u64 / BODY_MIN_RATE)
+        );
+    }
 
     #[test]
     fn requests_from_bytes() {

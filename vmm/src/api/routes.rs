@@ -90,14 +90,104 @@ fn is_empty(body: &[u8]) -> bool {
     body.iter().all(u8::is_ascii_whitespace)
 }
 
+/// Longest device id (the JSON key `id`, at any depth), in bytes.
+pub const MAX_ID_LEN: usize = 1024;
+/// Longest snapshot tag or snapshot reference (the keys `tag` and
+/// `snapshot`), in bytes: pcow's own tag limit.
+pub const MAX_TAG_LEN: usize = 255;
+/// Longest other string (paths, the kernel command line...), in bytes:
+/// Linux's `PATH_MAX`.
+pub const MAX_STRING_LEN: usize = 4096;
+
+/// The longest string accepted under the JSON key `key`.
+pub fn max_len(key: Option<&str>) -> usize {
+    match key {
+        Some("id") => MAX_ID_LEN,
+        Some("tag" | "snapshot") => MAX_TAG_LEN,
+        _ => MAX_STRING_LEN,
+    }
+}
+/// The first element of the answer to a body with a string too long or
+/// with a control character.
+pub const INVALID_STRING: &str = "Invalid string in the request";
+
+/// Checks every string of a request body, keys included: at most
+/// [`max_len`] bytes, and no control character (U+0000..U+001F, U+007F..U+009F).
+/// The refusal names the field (its JSON path), never echoes the string.
+pub fn check_strings(v: &Value) -> Result<(), ApiError> {
+    fn walk(v: &Value, path: &mut String, key: Option<&str>) -> Result<(), String> {
+        match v {
+            Value::String(s) => {
+                check_one(s, max_len(key)).map_err(|why| format!("`{path}`: {why}"))
+            }
+            Value::Array(a) => {
+                for (i, e) in a.iter().enumerate() {
+                    let len = path.len();
+                    path.push_str(&format!("[{i}]"));
+                    walk(e, path, key)?;
+                    path.truncate(len);
+                }
+                Ok(())
+            }
+            Value::Object(o) => {
+                for (k, e) in o {
+                    check_one(k, MAX_STRING_LEN).map_err(|why| format!("a key: {why}"))?;
+                    let len = path.len();
+                    if !path.is_empty() {
+                        path.push('.');
+                    }
+                    path.push_str(k);
+                    walk(e, path, Some(k))?;
+                    path.truncate(len);
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+    walk(v, &mut String::new(), None).map_err(|why| ApiError {
+        status: 400,
+        chain: vec![INVALID_STRING.into(), why],
+    })
+}
+
+/// Whether `s` is at most `max` bytes with no control character.
+fn check_one(s: &str, max: usize) -> Result<(), String> {
+    if s.len() > max {
+        return Err(format!("{} bytes, at most {max} are accepted", s.len()));
+    }
+    if let Some((at, c)) = s.chars().enumerate().find(|(_, c)| c.is_control()) {
+        let name = match c {
+            '\0' => " (NUL)",
+            '\t' => " (tab)",
+            '\n' => " (newline)",
+            '\r' => " (carriage return)",
+            '\u{1b}' => " (escape)",
+            '\u{7f}' => " (DEL)",
+            _ => "",
+        };
+        return Err(format!(
+            "control character U+{:04X}{name} at character {at}",
+            u32::from(c)
+        ));
+    }
+    Ok(())
+}
+
 fn json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if is_empty(body) {
         return Err(bad_request());
     }
-    crate::config::from_json(body).map_err(|e| ApiError {
+    let parsed = crate::config::from_json(body).map_err(|e| ApiError {
         status: 400,
         chain: vec!["Failed to deserialize JSON".into(), e.to_string()],
-    })
+    })?;
+    // The body is valid JSON (it parsed into T): its strings are checked
+    // before anything is opened or echoed.
+    if let Ok(v) = serde_json::from_slice::<Value>(body) {
+        check_strings(&v)?;
+    }
+    Ok(parsed)
 }
 
 fn no_body(body: &[u8]) -> Result<(), ApiError> {
@@ -158,6 +248,70 @@ pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, ApiErr
 mod tests {
     use super::*;
     use crate::api::PmemSnapshot;
+
+    /// Each bounded field of each action: at the limit, past it, and with
+    /// a control character.
+    #[test]
+    fn strings_are_bounded_and_printable() {
+        let path = format!("/{}", "p".repeat(MAX_STRING_LEN - 1));
+        let cases: &[(&str, &str, &str)] = &[
+            ("vm.pmem-snapshot", r#"{"id":"p","tag":X}"#, "tag"),
+            ("vm.pmem-snapshot", r#"{"id":X,"tag":"t"}"#, "id"),
+            ("vm.pmem-overlay", r#"{"id":X,"file":"/f"}"#, "id"),
+            ("vm.pmem-overlay", r#"{"id":"p","file":X}"#, "file"),
+            ("vm.pmem-rollback", r#"{"id":"p","snapshot":X}"#, "snapshot"),
+            (
+                "vm.pmem-snapshot-delete",
+                r#"{"id":"p","snapshot":X}"#,
+                "snapshot",
+            ),
+            ("vm.pmem-flush", r#"{"id":X}"#, "id"),
+            ("vm.remove-device", r#"{"id":X}"#, "id"),
+            ("vm.add-pmem", r#"{"file":"/f","id":X}"#, "id"),
+            ("vm.add-pmem", r#"{"file":X}"#, "file"),
+            (
+                "vm.create",
+                r#"{"payload":{"kernel":"/k"},"pmem":[{"file":"/f","id":X}]}"#,
+                "pmem[0].id",
+            ),
+            ("vm.create", r#"{"payload":{"kernel":X}}"#, "payload.kernel"),
+            (
+                "vm.create",
+                r#"{"payload":{"kernel":"/k"},"pmem":[{"file":X}]}"#,
+                "pmem[0].file",
+            ),
+        ];
+        for &(action, template, field) in cases {
+            let p = format!("{PREFIX}{action}");
+            let key = field.rsplit('.').next().unwrap();
+            let at = &match max_len(Some(key)) {
+                MAX_STRING_LEN => path.clone(),
+                n => "i".repeat(n),
+            };
+            let body = |s: &str| template.replace('X', &serde_json::to_string(s).unwrap());
+            // At the limit: no string error (the action itself may be fine).
+            if let Err(e) = route("PUT", &p, body(at).as_bytes()) {
+                assert_ne!(e.chain[0], INVALID_STRING, "{action} {field}: {e:?}");
+            }
+            let long = format!("{at}x");
+            let ctl = format!("{}\n", &at[..10]);
+            for (bad, why) in [(&long, "at most"), (&ctl, "control character")] {
+                let e = route("PUT", &p, body(bad).as_bytes()).unwrap_err();
+                assert_eq!(e.status, 400, "{action} {field}");
+                assert_eq!(e.chain[0], INVALID_STRING, "{action} {field}");
+                assert!(e.chain[1].contains(&format!("`{field}`")), "{e:?}");
+                assert!(e.chain[1].contains(why), "{e:?}");
+                // Never echoed.
+                assert!(!e.chain[1].contains(&at[..10]), "{e:?}");
+            }
+        }
+        // DEL and C1 controls too; tabs as well.
+        for c in ['\u{7f}', '\u{85}', '\t', '\0'] {
+            let b = serde_json::json!({"id": format!("a{c}b")}).to_string();
+            let e = route("PUT", "/api/v1/vm.pmem-flush", b.as_bytes()).unwrap_err();
+            assert_eq!(e.chain[0], INVALID_STRING, "{c:?}");
+        }
+    }
 
     #[test]
     fn paths_methods_and_bodies() {

@@ -455,14 +455,24 @@ fn json_hostile_values_are_clear_errors() {
         assert!(e.contains(needle), "{body}: {e}");
         assert!(!e.contains('\n'), "{e}");
     }
-    // Control characters and empty strings parse as data; validation names them.
+    // Control characters and empty strings parse as data; validation
+    // refuses them (before opening anything) and names the field.
     let dir = tempfile::tempdir().unwrap();
     let mut v = with_pmem(dir.path(), &[]);
     v.payload_mut().cmdline = Some("a\u{1}b".into());
+    let e = v.validate().unwrap_err().to_string();
+    assert!(
+        e.contains("`payload.cmdline`: control character U+0001"),
+        "{e}"
+    );
+    v.payload_mut().cmdline = None;
     v.validate().unwrap();
     v.pmem = Some(vec![PmemConfig::parse("file=/nonexistent\u{7}").unwrap()]);
     let e = v.validate().unwrap_err().to_string();
-    assert!(e.contains("cannot open"), "{e}");
+    assert!(
+        e.contains("`pmem[0].file`: control character U+0007"),
+        "{e}"
+    );
     v.pmem = Some(vec![PmemConfig {
         id: Some(String::new()),
         ..PmemConfig::parse("file=/x").unwrap()
@@ -475,9 +485,18 @@ fn json_hostile_values_are_clear_errors() {
         id: Some("a\nb".into()),
         ..PmemConfig::parse("file=/x").unwrap()
     }]);
-    v.console.id = Some("a\nb".into());
     let e = v.validate().unwrap_err().to_string();
-    assert_eq!(e, "device id `a\\nb` is used twice");
+    assert_eq!(
+        e,
+        "invalid string: `pmem[0].id`: control character U+000A (newline) at character 1"
+    );
+    v.pmem = Some(vec![PmemConfig {
+        id: Some("ab".into()),
+        ..PmemConfig::parse("file=/x").unwrap()
+    }]);
+    v.console.id = Some("ab".into());
+    let e = v.validate().unwrap_err().to_string();
+    assert_eq!(e, "device id `ab` is used twice");
     let e = serde_json::from_str::<VmConfig>(r#"{"serial": {"mode": "Sockets"}}"#)
         .unwrap_err()
         .to_string();
@@ -648,6 +667,23 @@ fn validate_missing_same_and_duplicate() {
     assert_eq!(e.to_string(), "device id `x` is used twice");
     let e = with_pmem(d, &[pm(&a, ",id=__x")]).validate().unwrap_err();
     assert!(matches!(e, ValidationError::InvalidId(_)));
+
+    // Ids and paths from the command line: the API's bounds.
+    let at = format!(",id={}", "i".repeat(1024));
+    assert!(with_pmem(d, &[pm(&a, &at)]).validate().is_ok());
+    let long = format!(",id={}", "i".repeat(1025));
+    let e = with_pmem(d, &[pm(&a, &long)]).validate().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid string: `pmem[0].id`: 1025 bytes, at most 1024 are accepted"
+    );
+    let e = with_pmem(d, &[pm(&a, ",id=a\u{1b}b")])
+        .validate()
+        .unwrap_err();
+    assert!(matches!(e, ValidationError::InvalidString(_)), "{e}");
+    let deep = d.join("p".repeat(4097));
+    let e = with_pmem(d, &[pm(&deep, "")]).validate().unwrap_err();
+    assert!(e.to_string().contains("`pmem[0].file`: 4"), "{e}");
 
     let e = with_pmem(d, &[pm(&a, ""), pm(&a, "")])
         .validate()

@@ -100,6 +100,8 @@ pub enum ValidationError {
     PayloadNotFile { what: &'static str, path: PathBuf },
     #[error("payload.cmdline contains a NUL byte")]
     CmdlineNul,
+    #[error("invalid string: {0}")]
+    InvalidString(String),
     #[error("{what}: mode File needs a file")]
     ConsoleFileMissing { what: &'static str },
     #[error("{what}: a file is given but the mode is {mode:?}, not File")]
@@ -374,6 +376,12 @@ impl VmConfig {
                 "serial and console both on tty: both write to standard output, \
                  the serial port alone reads standard input"
             );
+        }
+        // Every id and path bounded and printable (the API's rules, for
+        // the command line too), before an id is echoed or a file opened.
+        if let Ok(v) = serde_json::to_value(&*self) {
+            crate::api::routes::check_strings(&v)
+                .map_err(|e| ValidationError::InvalidString(e.chain[1..].join(": ")))?;
         }
         let ids = self.pmem_ids()?;
         let mut out = Vec::with_capacity(ids.len());
