@@ -701,3 +701,50 @@ fn special_files_as_inputs_and_bases_are_refused_at_once() {
     }
     all_ok(failures);
 }
+
+/// `rebase -u` skips reading the new base's data, not the checks of its
+/// identity: the image itself (by its name, a symlink or a hard link), a
+/// two-image cycle, a FIFO, a directory and a non-pcow file as pcow are
+/// refused, every file unchanged; a base that does not exist is allowed.
+#[test]
+fn unsafe_rebase_checks_the_new_base() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    fixture(p);
+    mkfifo(&p.join("fifo"));
+    std::fs::create_dir(p.join("dir")).unwrap();
+    std::os::unix::fs::symlink("t.pcow", p.join("t-link.pcow")).unwrap();
+    std::fs::hard_link(p.join("t.pcow"), p.join("t-hard.pcow")).unwrap();
+    std::fs::write(p.join("passwd"), b"root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    let mut failures = Vec::new();
+    for (base, needle) in [
+        ("t.pcow", "cycle"),
+        ("t-link.pcow", "cycle"),
+        ("t-hard.pcow", "cycle"),
+        ("fifo", "fifo: is a FIFO"),
+        ("dir", "dir: is a directory"),
+        ("passwd", "passwd"),
+    ] {
+        let args = ["rebase", "-u", "-b", base, "-F", "pcow", "t.pcow"];
+        failures.extend(check_refused(p, &args, base, needle).err());
+    }
+    // o.pcow's base is b.pcow: o.pcow as b.pcow's base makes a cycle.
+    failures.extend(
+        check_refused(
+            p,
+            &["rebase", "-u", "-b", "o.pcow", "-F", "pcow", "b.pcow"],
+            "two-image cycle",
+            "cycle",
+        )
+        .err(),
+    );
+    all_ok(failures);
+    ok(
+        p,
+        &["rebase", "-u", "-b", "not-yet.pcow", "-F", "pcow", "t.pcow"],
+    );
+    ok(
+        p,
+        &["rebase", "-u", "-b", "b2.pcow", "-F", "pcow", "t.pcow"],
+    );
+}
