@@ -2,7 +2,7 @@
 //! read-only with shared locks, and refusing cycles and over-deep chains.
 
 use std::fs::{File, OpenOptions as FsOpenOptions};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{io_err, Error, Result};
@@ -85,8 +85,10 @@ impl RawImage {
         let file = FsOpenOptions::new()
             .read(true)
             .write(writable)
+            .custom_flags(libc::O_NONBLOCK)
             .open(path)
-            .map_err(io_err(path, "opening"))?;
+            .map_err(|e| crate::output_file::input_open_error(path, "opening", e))?;
+        crate::output_file::regular_input(&file, path)?;
         if !force_share {
             lock_file(&file, path, writable)?;
         }
@@ -308,6 +310,7 @@ fn open_base_mode(
     let file = match FsOpenOptions::new()
         .read(true)
         .write(writable)
+        .custom_flags(libc::O_NONBLOCK)
         .open(&resolved)
     {
         Ok(f) => f,
@@ -318,8 +321,15 @@ fn open_base_mode(
                 resolved,
             })
         }
-        Err(e) => return Err(io_err(&resolved, "opening the base image")(e)),
+        Err(e) => {
+            return Err(crate::output_file::input_open_error(
+                &resolved,
+                "opening the base image",
+                e,
+            ))
+        }
     };
+    crate::output_file::regular_input(&file, &resolved)?;
     if let Err(Error::ChainCycle { .. }) = ctx.visit(&file, &resolved) {
         return Err(Error::ChainCycle {
             path: image_path.to_owned(),

@@ -7,6 +7,7 @@
 //! above this one (see the crate's module map).
 
 use std::fs::{File, OpenOptions as FsOpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::alloc::Pool;
@@ -138,8 +139,10 @@ impl Image {
         let file = FsOpenOptions::new()
             .read(true)
             .write(opts.writable)
+            .custom_flags(libc::O_NONBLOCK)
             .open(path)
-            .map_err(io_err(path, "opening"))?;
+            .map_err(|e| crate::output_file::input_open_error(path, "opening", e))?;
+        crate::output_file::regular_input(&file, path)?;
         if !opts.force_share {
             lock_file(&file, path, opts.writable)?;
         }

@@ -84,6 +84,37 @@ fn clear_nonblock(file: &File, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Finishes opening an input (an image, a base, a raw file) that was
+/// opened with `O_NONBLOCK`, so that a FIFO there did not block the open:
+/// refuses anything but a regular file, by `fstat`, then clears
+/// `O_NONBLOCK` for the blocking I/O that follows.
+pub(crate) fn regular_input(file: &File, path: &Path) -> Result<()> {
+    check_regular(file, path)?;
+    clear_nonblock(file, path)
+}
+
+/// The error for a failed open of input `path`: a directory opened for
+/// writing (`EISDIR`) or a socket (`ENXIO`) is named by its type as
+/// [`Error::NotRegular`], like those `fstat` catches after an open.
+pub(crate) fn input_open_error(path: &Path, op: &'static str, e: std::io::Error) -> Error {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.file_type().is_file() => not_regular(path, m.file_type()),
+        _ => io_err(path, op)(e),
+    }
+}
+
+/// Opens `path` read-only as an input: without blocking on a FIFO, and
+/// refusing anything but a regular file ([`regular_input`]).
+pub(crate) fn open_regular_input(path: &Path) -> Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| input_open_error(path, "opening", e))?;
+    regular_input(&file, path)?;
+    Ok(file)
+}
+
 /// Opens an existing file named `path` that is about to be replaced, with
 /// no truncation, and locks it exclusively; `Ok(None)` when nothing is
 /// there. A symbolic link (even dangling), directory, FIFO, socket or

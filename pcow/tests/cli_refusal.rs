@@ -110,10 +110,22 @@ fn run_timed(dir: &Path, args: &[&str]) -> (i32, String) {
 /// containing `needle`, and every entry of `dir` unchanged. `Err` says
 /// what was wrong (`what`: the situation).
 fn check_refused(dir: &Path, args: &[&str], what: &str, needle: &str) -> Result<(), String> {
+    check_refused_code(dir, args, what, needle, 1)
+}
+
+/// [`check_refused`] for a command whose failure exit code is `want`
+/// (`compare` exits 2 on an error, as qemu-img does).
+fn check_refused_code(
+    dir: &Path,
+    args: &[&str],
+    what: &str,
+    needle: &str,
+    want: i32,
+) -> Result<(), String> {
     let before = state(dir);
     let (code, err) = run_timed(dir, args);
     let fail = |why: String| Err(format!("pcow-img {args:?} ({what}): {why}"));
-    if code != 1 {
+    if code != want {
         return fail(format!("exit {code}, stderr {err:?}"));
     }
     if !err.starts_with("pcow-img: ") || err.lines().count() != 1 {
@@ -603,4 +615,136 @@ fn a_deferred_writer_writes_nothing_until_its_first_change() {
     let mut b = [0u8];
     img.read_at(&mut b, 0).unwrap();
     assert_eq!(b, [7]);
+}
+
+/// A FIFO, directory, socket or device given as an image to read, or met
+/// as a base in a chain, is refused at once (a FIFO opened for reading
+/// would wait for a writer, possibly forever), naming the path and its
+/// type, every file unchanged.
+#[test]
+fn special_files_as_inputs_and_bases_are_refused_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    fixture(p);
+    mkfifo(&p.join("fifo"));
+    std::fs::create_dir(p.join("dir")).unwrap();
+    let _socket = std::os::unix::net::UnixListener::bind(p.join("sock")).unwrap();
+    // Overlays whose base is then replaced by a FIFO / a directory.
+    ok(p, &["create", "-q", "bf.pcow", "1M"]);
+    ok(
+        p,
+        &["create", "-q", "-b", "bf.pcow", "-F", "pcow", "ov-f.pcow"],
+    );
+    std::fs::remove_file(p.join("bf.pcow")).unwrap();
+    mkfifo(&p.join("bf.pcow"));
+    ok(p, &["create", "-q", "bd.pcow", "1M"]);
+    ok(
+        p,
+        &["create", "-q", "-b", "bd.pcow", "-F", "pcow", "ov-d.pcow"],
+    );
+    std::fs::remove_file(p.join("bd.pcow")).unwrap();
+    std::fs::create_dir(p.join("bd.pcow")).unwrap();
+    let specials: &[(&str, &str)] = &[
+        ("fifo", "fifo: is a FIFO"),
+        ("dir", "dir: is a directory"),
+        ("sock", "sock: is a socket"),
+        ("/dev/null", "/dev/null: is a character device"),
+    ];
+    let mut failures = Vec::new();
+    for &(name, needle) in specials {
+        for args in [
+            &["info", name][..],
+            &["info", "-f", "raw", name],
+            &["check", name],
+            &["map", name],
+            &["compare", name, "b.pcow"],
+            &["compare", "b.pcow", name],
+            &["convert", "-O", "raw", name, "out.raw"],
+            &["commit", name],
+            &["rebase", "-b", "b2.pcow", name],
+            &["rebase", "-b", name, "-F", "pcow", "o.pcow"],
+            &["resize", name, "+1M"],
+            &["resize", "-f", "raw", name, "+1M"],
+            &["snapshot", "-l", name],
+            &["io", name, "-c", "read 0 4k"],
+            &["create", "-b", name, "-F", "pcow", "new.pcow"],
+        ] {
+            let code = if args[0] == "compare" { 2 } else { 1 };
+            failures.extend(check_refused_code(p, args, name, needle, code).err());
+        }
+    }
+    for (overlay, needle) in [
+        ("ov-f.pcow", "bf.pcow: is a FIFO"),
+        ("ov-d.pcow", "bd.pcow: is a directory"),
+    ] {
+        for args in [
+            &["info", overlay][..],
+            &["map", overlay],
+            &["compare", overlay, "b.pcow"],
+            &["convert", "-O", "raw", overlay, "out.raw"],
+            &["commit", overlay],
+            &["rebase", "-b", "b2.pcow", "-F", "pcow", overlay],
+            &["resize", overlay, "+1M"],
+            &["snapshot", "-l", overlay],
+            &["io", overlay, "-c", "read 0 4k"],
+        ] {
+            let code = if args[0] == "compare" { 2 } else { 1 };
+            failures.extend(check_refused_code(p, args, overlay, needle, code).err());
+        }
+        // `check` reports a base it cannot open as an error of the image
+        // (exit 2, on stdout): it must do so at once, changing nothing.
+        let before = state(p);
+        let (code, _) = run_timed(p, &["check", overlay]);
+        if code != 2 || state(p) != before {
+            failures.push(format!("check {overlay}: exit {code}"));
+        }
+    }
+    all_ok(failures);
+}
+
+/// `rebase -u` skips reading the new base's data, not the checks of its
+/// identity: the image itself (by its name, a symlink or a hard link), a
+/// two-image cycle, a FIFO, a directory and a non-pcow file as pcow are
+/// refused, every file unchanged; a base that does not exist is allowed.
+#[test]
+fn unsafe_rebase_checks_the_new_base() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    fixture(p);
+    mkfifo(&p.join("fifo"));
+    std::fs::create_dir(p.join("dir")).unwrap();
+    std::os::unix::fs::symlink("t.pcow", p.join("t-link.pcow")).unwrap();
+    std::fs::hard_link(p.join("t.pcow"), p.join("t-hard.pcow")).unwrap();
+    std::fs::write(p.join("passwd"), b"root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    let mut failures = Vec::new();
+    for (base, needle) in [
+        ("t.pcow", "cycle"),
+        ("t-link.pcow", "cycle"),
+        ("t-hard.pcow", "cycle"),
+        ("fifo", "fifo: is a FIFO"),
+        ("dir", "dir: is a directory"),
+        ("passwd", "passwd"),
+    ] {
+        let args = ["rebase", "-u", "-b", base, "-F", "pcow", "t.pcow"];
+        failures.extend(check_refused(p, &args, base, needle).err());
+    }
+    // o.pcow's base is b.pcow: o.pcow as b.pcow's base makes a cycle.
+    failures.extend(
+        check_refused(
+            p,
+            &["rebase", "-u", "-b", "o.pcow", "-F", "pcow", "b.pcow"],
+            "two-image cycle",
+            "cycle",
+        )
+        .err(),
+    );
+    all_ok(failures);
+    ok(
+        p,
+        &["rebase", "-u", "-b", "not-yet.pcow", "-F", "pcow", "t.pcow"],
+    );
+    ok(
+        p,
+        &["rebase", "-u", "-b", "b2.pcow", "-F", "pcow", "t.pcow"],
+    );
 }

@@ -44,6 +44,78 @@ const DRAIN_ON_DROP: Duration = Duration::from_secs(1);
 /// How long the writer waits before retrying a target that would block.
 const RETRY: Duration = Duration::from_millis(20);
 
+/// Why an output file (`--serial file=`, `--console file=`) was refused:
+/// its type. The `source` of the open's `io::Error` (kind `InvalidInput`).
+#[derive(Debug, thiserror::Error)]
+#[error("it is a {0}; output goes only to a regular file or a character device")]
+pub struct OutputFileType(pub &'static str);
+
+/// The name of a file's type, for messages.
+fn type_name(t: std::fs::FileType) -> &'static str {
+    if t.is_file() {
+        "regular file"
+    } else if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else {
+        "special file"
+    }
+}
+
+/// Opens `path` for output, created if missing (then truncated, or
+/// appended to when `append`). Opened with `O_NONBLOCK` so that a FIFO
+/// (which may never be read) cannot block the open; `fstat` then accepts
+/// only a regular file or a character device (`/dev/null`, a tty), and
+/// `O_NONBLOCK` is cleared again for the writes. A FIFO, socket, directory
+/// or block device is refused at once, naming its type.
+pub fn open_output_file(path: &Path, append: bool) -> io::Result<File> {
+    let refused = |t| io::Error::new(io::ErrorKind::InvalidInput, OutputFileType(type_name(t)));
+    let mut o = OpenOptions::new();
+    o.create(true).custom_flags(libc::O_NONBLOCK);
+    if append {
+        o.append(true);
+    } else {
+        o.write(true).truncate(true);
+    }
+    let file = match o.open(path) {
+        Ok(f) => f,
+        // A FIFO without a reader, or a socket: name the type.
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {
+            return Err(match std::fs::metadata(path) {
+                Ok(m) => refused(m.file_type()),
+                Err(_) => e,
+            })
+        }
+        Err(e) => return Err(e),
+    };
+    let t = file.metadata()?.file_type();
+    if !(t.is_file() || t.is_char_device()) {
+        return Err(refused(t));
+    }
+    let fd = file.as_raw_fd();
+    // SAFETY: F_GETFL/F_SETFL take and return plain integers on `fd`,
+    // which `file` owns and keeps open through both calls.
+    let r = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags < 0 {
+            flags
+        } else {
+            libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK)
+        }
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
 /// Errors of opening a backend.
 #[allow(missing_docs)] // the messages document the variants
 #[derive(Debug, thiserror::Error)]
@@ -680,7 +752,7 @@ impl Chardevs {
                     .as_deref()
                     .ok_or(ChardevError::MissingFile { what: WHAT })?;
                 // As upstream: created, or truncated.
-                let f = File::create(path).map_err(|source| ChardevError::File {
+                let f = open_output_file(path, false).map_err(|source| ChardevError::File {
                     what: WHAT,
                     path: path.to_owned(),
                     source,

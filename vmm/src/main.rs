@@ -132,12 +132,20 @@ fn start_outputs(cl: &CommandLine) -> Result<()> {
 }
 
 fn run() -> Result<()> {
-    let cl = CommandLine::parse(
-        std::env::args_os()
-            .skip(1)
-            .map(|a| a.to_string_lossy().into_owned()),
-    )
-    .map_err(CliExit)?;
+    // Arguments are taken as they are or refused: a lossy conversion would
+    // turn a file name's non-UTF-8 bytes into U+FFFD and open another file.
+    let args = std::env::args_os()
+        .skip(1)
+        .map(|a| {
+            a.into_string().map_err(|a| {
+                use std::os::unix::ffi::OsStrExt;
+                CliExit(cli::CliError::NotUtf8(
+                    a.as_bytes().escape_ascii().to_string(),
+                ))
+            })
+        })
+        .collect::<Result<Vec<String>, CliExit>>()?;
+    let cl = CommandLine::parse(args).map_err(CliExit)?;
     match cl.action {
         Action::Help => {
             print!("{}", cli::help());

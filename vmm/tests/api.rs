@@ -905,3 +905,53 @@ fn api_fuzz_findings_are_client_errors() {
     expect(sock, "PUT", "vmm.shutdown", None, 200);
     assert_eq!(v.wait_exit(), Some(0));
 }
+
+/// A FIFO as a pmem file in `vm.create` is refused at once, naming it; the
+/// API keeps answering (`vmm.ping` right after). It used to block the API
+/// thread in open(2) until someone wrote to the FIFO.
+#[test]
+fn a_fifo_as_pmem_file_is_refused_without_blocking_the_api() {
+    use std::os::unix::ffi::OsStrExt;
+    let _serial = common::serial();
+    let Some(v) = Vmm::start() else { return };
+    let sock = v.sock.clone();
+    let sock = sock.as_path();
+    halting_kernel(&v.path("vmlinux"));
+    let fifo = v.path("p.fifo");
+    let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path living through the call; mkfifo
+    // only reads it.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let t0 = Instant::now();
+    let cfg = v.config(json!([{"file": v.s("p.fifo"), "id": "p0"}]));
+    refused(
+        sock,
+        "PUT",
+        "vm.create",
+        Some(cfg),
+        400,
+        "not a regular file",
+    );
+    expect(sock, "GET", "vmm.ping", None, 200);
+    // A directory and a device: refused the same way.
+    let cfg = v.config(json!([{"file": v.dir.path().to_str().unwrap(), "id": "p0"}]));
+    refused(
+        sock,
+        "PUT",
+        "vm.create",
+        Some(cfg),
+        400,
+        "not a regular file",
+    );
+    let cfg = v.config(json!([{"file": "/dev/null", "id": "p0"}]));
+    refused(
+        sock,
+        "PUT",
+        "vm.create",
+        Some(cfg),
+        400,
+        "not a regular file",
+    );
+    expect(sock, "GET", "vmm.ping", None, 200);
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}

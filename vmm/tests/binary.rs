@@ -601,3 +601,33 @@ fn serial_socket_and_console_pty_while_the_guest_runs() {
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
     assert!(!sock.exists(), "the socket file is left behind");
 }
+
+/// A `--pmem file=` name holding byte 0xff is refused with an error that
+/// shows the byte; the file whose name holds U+FFFD instead (what a lossy
+/// conversion would open) is not touched.
+#[test]
+fn a_non_utf8_file_name_is_refused_not_altered() {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::OsStringExt;
+    let dir = tempfile::tempdir().unwrap();
+    let lossy = dir.path().join("p\u{fffd}.raw");
+    std::fs::write(&lossy, vec![0u8; 2 << 20]).unwrap();
+    let mut arg = b"file=".to_vec();
+    arg.extend_from_slice(dir.path().as_os_str().as_encoded_bytes());
+    arg.extend_from_slice(b"/p\xff.raw");
+    let out = Command::new(BIN)
+        .arg("--kernel")
+        .arg(dir.path().join("vmlinux"))
+        .arg("--pmem")
+        .arg(OsString::from_vec(arg))
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("not valid UTF-8") && err.contains("p\\xff.raw"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&lossy).unwrap(), vec![0u8; 2 << 20]);
+}

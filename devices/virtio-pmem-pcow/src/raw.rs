@@ -3,6 +3,7 @@
 //! with `discard_writes` (guest writes stay in memory); FLUSH is fsync.
 
 use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
@@ -28,6 +29,8 @@ pub enum RawError {
     Locked { path: PathBuf },
     #[error("{path}: empty file")]
     Empty { path: PathBuf },
+    #[error("{path}: is a {kind}, not a regular file")]
+    NotRegular { path: PathBuf, kind: &'static str },
     #[error("{path}: mapping {len} bytes")]
     Map {
         path: PathBuf,
@@ -78,6 +81,24 @@ impl Drop for Mapping {
     }
 }
 
+/// The name of a file's type, for messages.
+fn type_name(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else {
+        "special file"
+    }
+}
+
 /// A raw file mapped for a guest.
 #[derive(Debug)]
 pub struct RawRegion {
@@ -91,14 +112,44 @@ impl RawRegion {
     /// Maps the whole file at `path`. A writer takes an exclusive lock, a
     /// `discard_writes` reader a shared one.
     pub fn open(path: &Path, discard_writes: bool) -> Result<RawRegion, RawError> {
+        // O_NONBLOCK: a FIFO here must not block the open (and with it the
+        // API thread); fstat below refuses anything but a regular file.
         let file = OpenOptions::new()
             .read(true)
             .write(!discard_writes)
+            .custom_flags(libc::O_NONBLOCK)
             .open(path)
             .map_err(|source| RawError::Open {
                 path: path.to_owned(),
                 source,
             })?;
+        let meta = file.metadata().map_err(|source| RawError::Open {
+            path: path.to_owned(),
+            source,
+        })?;
+        if !meta.file_type().is_file() {
+            return Err(RawError::NotRegular {
+                path: path.to_owned(),
+                kind: type_name(meta.file_type()),
+            });
+        }
+        let fd = file.as_raw_fd();
+        // SAFETY: F_GETFL/F_SETFL take and return plain integers on `fd`,
+        // which `file` owns and keeps open through both calls.
+        let r = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags < 0 {
+                flags
+            } else {
+                libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK)
+            }
+        };
+        if r < 0 {
+            return Err(RawError::Open {
+                path: path.to_owned(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
         let locked = pcow::lock::lock(&file, !discard_writes).map_err(|source| RawError::Lock {
             path: path.to_owned(),
             source,
@@ -192,5 +243,47 @@ impl RawRegion {
 impl FlushBackend for RawRegion {
     fn flush(&mut self) -> Result<(), FlushError> {
         self.flush_request()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A FIFO, directory, socket or device as a raw pmem file is refused at
+    /// once, naming the path and its type (a FIFO used to block the open).
+    #[test]
+    fn special_files_are_refused_at_once() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path living through the call;
+        // mkfifo only reads it.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let sock = dir.path().join("sock");
+        let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let t0 = std::time::Instant::now();
+        for discard in [true, false] {
+            for (p, want) in [
+                (fifo.as_path(), "FIFO"),
+                (dir.path(), "directory"),
+                (Path::new("/dev/null"), "character device"),
+            ] {
+                let e = RawRegion::open(p, discard).unwrap_err();
+                match &e {
+                    RawError::NotRegular { kind, .. } => assert_eq!(*kind, want),
+                    // A directory opened for writing fails in open itself.
+                    RawError::Open { source, .. } if want == "directory" && !discard => {
+                        assert_eq!(source.raw_os_error(), Some(libc::EISDIR))
+                    }
+                    _ => panic!("{p:?}: {e:?}"),
+                }
+                assert!(e.to_string().contains(&p.display().to_string()), "{e}");
+            }
+            // open(2) on a socket fails with ENXIO.
+            assert!(RawRegion::open(&sock, discard).is_err());
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
     }
 }

@@ -174,7 +174,7 @@ pub fn commit_into(path: &Path, base: &Path) -> Result<CommitReport> {
 }
 
 fn is_pcow_file(path: &Path) -> bool {
-    std::fs::File::open(path).is_ok_and(|f| is_pcow(&f).unwrap_or(false))
+    crate::output_file::open_regular_input(path).is_ok_and(|f| is_pcow(&f).unwrap_or(false))
 }
 
 /// Virtual clusters that any layer on `layer`'s path holds, in order.

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use crate::chain::{check_base_name, open_base, Backing, ChainCtx};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::format::{BaseRef, PAGE_SIZE};
 use crate::image::{Image, OpenOptions};
 
@@ -25,6 +25,25 @@ pub fn rebase(path: &Path, new_base: Option<BaseRef>, unsafe_: bool) -> Result<(
     };
     let mut img = Image::open(path, opts)?;
     if unsafe_ {
+        // Unsafe mode skips reading the new base's data, not the checks of
+        // its identity: if it exists, it is opened (unlocked) with its whole
+        // chain, so the image itself (by any name: device and inode are
+        // compared), a cycle, a non-regular file, a file that is not of the
+        // declared format and a chain past the limit are refused. A new
+        // base that does not exist yet is allowed, as qemu-img allows it.
+        if let Some(b) = &new_base {
+            let mut ctx = ChainCtx {
+                force_share: true,
+                ..ChainCtx::default()
+            };
+            if let Some(f) = img.file() {
+                ctx.visit(f, path)?;
+            }
+            match open_base(path, b, &mut ctx) {
+                Ok(_) | Err(Error::BaseMissing { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
         img.begin_writing()?;
     } else {
         let mut ctx = ChainCtx::default();

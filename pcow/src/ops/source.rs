@@ -39,7 +39,7 @@ impl ImageFormat {
     /// The format of the file at `path`: pcow if it starts with the pcow
     /// magic, raw otherwise.
     pub fn probe(path: &Path) -> Result<ImageFormat> {
-        let file = File::open(path).map_err(io_err(path, "opening"))?;
+        let file = crate::output_file::open_regular_input(path)?;
         let pcow = is_pcow(&file).map_err(io_err(path, "reading"))?;
         Ok(if pcow {
             ImageFormat::Pcow

@@ -93,6 +93,10 @@ pub enum HttpError {
         #[source]
         source: io::Error,
     },
+    #[error("API socket lock {}: it is a symbolic link, which is not followed; remove it", .0.display())]
+    LockSymlink(PathBuf),
+    #[error("API socket lock {}: it is a {kind}, not a regular file", path.display())]
+    LockNotRegular { path: PathBuf, kind: &'static str },
     #[error("API socket {}: another VMM serves it (its lock {} is held)", socket.display(), lock.display())]
     InUse { socket: PathBuf, lock: PathBuf },
     #[error("API socket {}: the path exists and is not a socket", .0.display())]
@@ -141,16 +145,7 @@ impl HttpServer {
         let mut lock_path = path.as_os_str().to_owned();
         lock_path.push(".lock");
         let lock_path = PathBuf::from(lock_path);
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .mode(0o600)
-            .open(&lock_path)
-            .map_err(|source| HttpError::LockFile {
-                path: lock_path.clone(),
-                source,
-            })?;
+        let lock = open_lock_file(&lock_path)?;
         if lock.try_lock().is_err() {
             return Err(HttpError::InUse {
                 socket: path.to_owned(),
@@ -166,6 +161,7 @@ impl HttpServer {
                     source,
                 })?;
             }
+            // A symlink is refused too (never followed, never replaced).
             Ok(_) => return Err(HttpError::NotASocket(path.to_owned())),
             Err(_) => {}
         }
@@ -234,6 +230,65 @@ impl Drop for HttpServer {
         if let Some((path, _lock)) = &self.created {
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+/// Opens (creating it mode 0600 if absent) the lock file at `path`
+/// without following a symbolic link at it: `O_NOFOLLOW` makes the open
+/// fail on a symlink, dangling or not, so nothing is ever created at a
+/// link's target. `O_NONBLOCK` keeps a FIFO put there from blocking the
+/// open; `fstat` then refuses anything but a regular file.
+fn open_lock_file(path: &Path) -> Result<File, HttpError> {
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|source| match source.raw_os_error() {
+            Some(libc::ELOOP) => HttpError::LockSymlink(path.to_owned()),
+            // A FIFO without a reader: O_WRONLY|O_NONBLOCK gives ENXIO.
+            Some(libc::ENXIO) => HttpError::LockNotRegular {
+                path: path.to_owned(),
+                kind: "FIFO or device without a reader",
+            },
+            _ => HttpError::LockFile {
+                path: path.to_owned(),
+                source,
+            },
+        })?;
+    let meta = lock.metadata().map_err(|source| HttpError::LockFile {
+        path: path.to_owned(),
+        source,
+    })?;
+    if !meta.file_type().is_file() {
+        return Err(HttpError::LockNotRegular {
+            path: path.to_owned(),
+            kind: file_kind(&meta.file_type()),
+        });
+    }
+    Ok(lock)
+}
+
+/// The name of a file's type, for messages.
+fn file_kind(t: &std::fs::FileType) -> &'static str {
+    if t.is_file() {
+        "regular file"
+    } else if t.is_dir() {
+        "directory"
+    } else if t.is_symlink() {
+        "symbolic link"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_char_device() {
+        "character device"
+    } else if t.is_block_device() {
+        "block device"
+    } else {
+        "special file"
     }
 }
 
@@ -801,5 +856,100 @@ mod tests {
              Content-Type: application/json\r\nContent-Length: 42\r\n\r\n\
              [\"Error from API\",\"The VM could not boot\"]"
         );
+    }
+
+    fn mkfifo(path: &Path) {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that lives through the call;
+        // mkfifo only reads it.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    }
+
+    /// A dangling symlink at `<socket>.lock` is refused through the whole
+    /// start path, and nothing is created at its target.
+    #[test]
+    fn lock_symlink_is_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("api.sock");
+        let target = dir.path().join("victim");
+        std::os::unix::fs::symlink(&target, dir.path().join("api.sock.lock")).unwrap();
+        let (tx, _rx) = super::super::channel().unwrap();
+        let e = match HttpServer::start(&sock, tx) {
+            Err(e) => e,
+            Ok(_) => panic!("a symlinked lock file was accepted"),
+        };
+        assert!(matches!(e, HttpError::LockSymlink(_)), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("api.sock.lock") && msg.contains("symbolic link"),
+            "{msg}"
+        );
+        assert!(!target.exists(), "a file was created at the link's target");
+        assert!(!sock.exists(), "the socket was bound despite the refusal");
+
+        // A symlink to an existing file: refused too, the file untouched.
+        std::fs::write(&target, b"keep").unwrap();
+        let link2 = dir.path().join("b.lock");
+        std::os::unix::fs::symlink(&target, &link2).unwrap();
+        assert!(matches!(
+            open_lock_file(&link2),
+            Err(HttpError::LockSymlink(_))
+        ));
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+    }
+
+    /// A lock path that is a FIFO, a directory or a device is refused at
+    /// once (no hang on the FIFO); a regular file is created and reused.
+    #[test]
+    fn lock_must_be_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.lock");
+        mkfifo(&fifo);
+        let t0 = Instant::now();
+        let e = open_lock_file(&fifo).unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert!(matches!(e, HttpError::LockNotRegular { .. }), "{e:?}");
+        assert!(e.to_string().contains("fifo.lock"), "{e}");
+
+        // A FIFO with a reader opens; fstat still refuses it.
+        let reader = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        let e = open_lock_file(&fifo).unwrap_err();
+        assert!(
+            matches!(e, HttpError::LockNotRegular { kind: "FIFO", .. }),
+            "{e:?}"
+        );
+        drop(reader);
+
+        let d = dir.path().join("d.lock");
+        std::fs::create_dir(&d).unwrap();
+        let e = open_lock_file(&d).unwrap_err();
+        assert!(e.to_string().contains("d.lock"), "{e}");
+
+        let e = open_lock_file(Path::new("/dev/null")).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                HttpError::LockNotRegular {
+                    kind: "character device",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+
+        let reg = dir.path().join("r.lock");
+        drop(open_lock_file(&reg).unwrap());
+        assert!(std::fs::symlink_metadata(&reg)
+            .unwrap()
+            .file_type()
+            .is_file());
+        let mode = std::fs::metadata(&reg).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "lock file mode {mode:o}");
+        drop(open_lock_file(&reg).unwrap());
     }
 }

@@ -125,6 +125,12 @@ pub enum CliError {
     MissingValue(&'static str, &'static str),
     #[error("--{0} given twice")]
     Duplicate(&'static str),
+    #[error(
+        "argument `{0}` is not valid UTF-8: this VMM's options are text, so a file \
+         name holding other bytes cannot be given (it is refused, never altered into \
+         another name); rename the file or link to it under a UTF-8 name"
+    )]
+    NotUtf8(String),
     #[error("--{0} takes no value")]
     UnexpectedValue(&'static str),
     #[error("--{0} needs --kernel (or --firmware)")]

@@ -41,8 +41,7 @@
 //!   files).
 
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -640,7 +639,14 @@ fn check_pmem(cfg: &PmemConfig, id: &str) -> Result<(ValidatedPmem, (u64, u64))>
         path: path.clone(),
         source,
     };
-    let file = File::open(path).map_err(open_err)?;
+    // O_NONBLOCK: a FIFO must not block the open (and the API thread
+    // with it, vmm.ping included); fstat then refuses it. Only reads of a
+    // regular file follow, which O_NONBLOCK does not affect.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(open_err)?;
     let meta = file.metadata().map_err(open_err)?;
     if !meta.is_file() {
         return Err(ValidationError::PmemNotFile {

@@ -28,7 +28,7 @@
 //! composer) and the control loop (input): [`SharedSerial`].
 
 use std::fmt;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -123,16 +123,16 @@ impl fmt::Debug for SerialOutput {
 }
 
 impl SerialOutput {
-    /// Opens `path` for appending, creating it if missing.
+    /// Opens `path` for appending, creating it if missing: a regular file
+    /// or a character device; a FIFO, socket or directory is refused at
+    /// once ([`crate::chardev::open_output_file`]).
     pub fn file(path: &Path) -> Result<SerialOutput, SerialError> {
-        let file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|source| SerialError::OpenFile {
+        let file = crate::chardev::open_output_file(path, true).map_err(|source| {
+            SerialError::OpenFile {
                 path: path.to_path_buf(),
                 source,
-            })?;
+            }
+        })?;
         Ok(SerialOutput::File {
             file,
             path: path.to_path_buf(),
@@ -631,5 +631,49 @@ mod tests {
             if source.raw_os_error() == Some(libc::EISDIR)),
             "{e:?}"
         );
+    }
+
+    /// `--serial file=` on a FIFO (that nobody reads, or that a reader
+    /// has open), a socket or a directory is refused at once naming the
+    /// type; /dev/null (a character device) is accepted.
+    #[test]
+    fn file_sink_refuses_special_files_at_once() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path living through the call;
+        // mkfifo only reads it.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let kind = |p: &Path| {
+            let e = SerialOutput::file(p).unwrap_err();
+            let SerialError::OpenFile { source, .. } = &e else {
+                panic!("{e:?}")
+            };
+            let t = source
+                .get_ref()
+                .and_then(|s| s.downcast_ref::<crate::chardev::OutputFileType>())
+                .unwrap_or_else(|| panic!("{e:?}"));
+            assert!(format!("{e}").contains(&p.display().to_string()));
+            t.0
+        };
+        let t0 = std::time::Instant::now();
+        assert_eq!(kind(&fifo), "FIFO");
+        let _reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        assert_eq!(kind(&fifo), "FIFO");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+        let sock = dir.path().join("sock");
+        let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        assert_eq!(kind(&sock), "socket");
+        assert!(SerialOutput::file(Path::new("/dev/null")).is_ok());
+        // The console's truncating open follows the same rule.
+        let e = crate::chardev::open_output_file(&fifo, false).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        assert!(crate::chardev::open_output_file(Path::new("/dev/null"), false).is_ok());
     }
 }

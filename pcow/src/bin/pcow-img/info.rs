@@ -224,7 +224,10 @@ pub fn info(a: InfoArgs) -> anyhow::Result<u8> {
         None => ImageFormat::probe(&a.file)?,
     };
     if format == ImageFormat::Raw {
-        let v = raw_json(&a.file, None)?;
+        // Opened (without blocking, unlocked as before) so that a FIFO,
+        // directory, socket or device is refused, not described.
+        let raw = pcow::RawImage::open(&a.file, false, true)?;
+        let v = raw_json(&a.file, Some(raw.file()))?;
         match (a.output, a.backing_chain) {
             (OutputFormat::Json, true) => print_json(&Value::Array(vec![v]))?,
             (OutputFormat::Json, false) => print_json(&v)?,
