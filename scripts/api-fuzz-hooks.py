@@ -30,8 +30,10 @@ and 405 world is not upstream's):
   5xx fails;
 - `error_body_shape`: every error body is one of the documented chains
   (`["Bad Request"]` 400, `["Not Found"]` 404, `["Failed to deserialize
-  JSON", why]` 400, `["Error from API", what, why...]` with the action's
-  own `what`, or one message of the HTTP layer, 400 or 413);
+  JSON", why]` 400, `["Invalid string in the request", why]` 400 (a
+  string past its maximum length or with a control character, see
+  docs/api.md), `["Error from API", what, why...]` with the action's own
+  `what`, or one message of the HTTP layer, 400 or 413);
 - `wire_format`: no reason phrase in the status line, `Server: Cloud
   Hypervisor API`, `Connection: keep-alive|close`, a 204 without body,
   `Content-Type` or `Content-Length`, any other answer with both;
@@ -371,6 +373,9 @@ def error_shape_problem(action, status, content):
     if chain[0] == "Failed to deserialize JSON":
         ok = status == 400 and len(chain) == 2
         return None if ok else "a JSON error is 400 with one reason"
+    if chain[0] == "Invalid string in the request":
+        ok = status == 400 and len(chain) == 2
+        return None if ok else "a string refusal is 400 with one reason"
     # The HTTP layer's own refusals, before any routing.
     if len(chain) == 1 and status in (400, 413):
         return None
@@ -551,6 +556,8 @@ def selftest():
         (error_body_shape, err(404, "Not Found"), plain_case, True),
         (error_body_shape, err(400, "Failed to deserialize JSON", "EOF"), plain_case, True),
         (error_body_shape, err(400, "Failed to deserialize JSON"), plain_case, False),
+        (error_body_shape, err(400, "Invalid string in the request", "`id`: 1025 bytes"), plain_case, True),
+        (error_body_shape, err(500, "Invalid string in the request", "`id`: 1025 bytes"), plain_case, False),
         (error_body_shape, err(404, *paused, "VM is not created"), plain_case, True),
         (error_body_shape, err(404, "Error from API", "The VM could not boot", "x"), plain_case, False),
         (error_body_shape, err(500, *paused), plain_case, False),
