@@ -310,7 +310,7 @@ fn command_line_parse_errors_exit_2() {
 
 /// Options of devices this VMM does not have parse with upstream's syntax
 /// and are refused before any guest starts, naming the field and option;
-/// options not implemented yet are refused with the reason.
+/// options not supported yet are refused with the reason.
 #[test]
 fn options_we_cannot_honour_are_refused_by_name() {
     let _serial = common::serial();
@@ -334,7 +334,7 @@ fn options_we_cannot_honour_are_refused_by_name() {
         (vec!["--balloon", "size=1G"], vec!["`balloon` (--balloon)"]),
         (vec!["--rtc"], vec!["`rtc` (--rtc)"]),
         (vec!["--watchdog"], vec!["`watchdog`"]),
-        (vec!["--landlock"], vec!["--landlock", "not implemented"]),
+        (vec!["--landlock"], vec!["--landlock", "not supported"]),
         (vec!["--cpus", "boot=1,nested=off"], vec!["`cpus.nested`"]),
         (
             vec!["--platform", "uuid=abc"],
@@ -342,11 +342,11 @@ fn options_we_cannot_honour_are_refused_by_name() {
         ),
         (
             vec!["--no-shutdown"],
-            vec!["--no-shutdown", "not implemented"],
+            vec!["--no-shutdown", "not supported"],
         ),
         (
             vec!["--restore", "source_url=file:///nonexistent"],
-            vec!["--restore", "not implemented"],
+            vec!["--restore", "not supported"],
         ),
     ] {
         let args = k(&extra);

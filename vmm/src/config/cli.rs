@@ -15,7 +15,7 @@
 //! unknown option, a missing or unexpected value, an option given twice,
 //! a VM option without `--kernel`/`--firmware`, a bad `--seccomp` value),
 //! 1 for a bad `key=value` inside an option's value and for options that
-//! are not implemented ([`CommandLine::check_supported`]).
+//! are not supported ([`CommandLine::check_supported`]).
 
 use std::path::PathBuf;
 
@@ -142,7 +142,7 @@ pub enum CliError {
     )]
     Seccomp(String),
     #[error("--{option}: {why}")]
-    NotImplemented {
+    Unsupported {
         option: &'static str,
         why: &'static str,
     },
@@ -151,10 +151,10 @@ pub enum CliError {
 impl CliError {
     /// The exit code upstream gives for this kind of error: 2 where its
     /// argument parser (clap) refuses the command line, 1 for a bad option
-    /// value found later and for what is not implemented.
+    /// value found later and for what is not supported.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Option(_) | CliError::NotImplemented { .. } => 1,
+            CliError::Option(_) | CliError::Unsupported { .. } => 1,
             _ => 2,
         }
     }
@@ -286,14 +286,14 @@ const OPTIONS: &[Opt] = &[
     opt(
         "landlock",
         "",
-        "Landlock confinement: not implemented (refused rather than run unconfined)",
+        "Landlock confinement: not supported (refused rather than run unconfined)",
         Kind::Flag,
         Group::Vm,
     ),
     opt(
         "landlock-rules",
         "",
-        "Landlock rules: not implemented (refused)",
+        "Landlock rules: not supported (refused)",
         Kind::Many,
         Group::Vm,
     ),
@@ -307,7 +307,7 @@ const OPTIONS: &[Opt] = &[
     opt(
         "log-format",
         "<format>",
-        "Log format with upstream's {tokens}: checked, then refused (not implemented)",
+        "Log format with upstream's {tokens}: checked, then refused (not supported)",
         Kind::Value,
         Group::Other,
     ),
@@ -324,7 +324,7 @@ const OPTIONS: &[Opt] = &[
     opt(
         "no-shutdown",
         "",
-        "Keep the VMM when the guest shuts down: not implemented (refused)",
+        "Keep the VMM when the guest shuts down: not supported (refused)",
         Kind::Flag,
         Group::Other,
     ),
@@ -361,7 +361,7 @@ const OPTIONS: &[Opt] = &[
     opt(
         "restore",
         RestoreConfig::SYNTAX,
-        "Restore from a snapshot: parsed, then refused (not implemented yet)",
+        "Restore from a snapshot: parsed, then refused (not supported yet)",
         Kind::Value,
         Group::Other,
     ),
@@ -659,25 +659,25 @@ impl CommandLine {
         Ok(())
     }
 
-    /// Refuses options that parse but whose behaviour is not implemented
+    /// Refuses options that parse but whose behaviour is not supported
     /// yet (exit 1, as upstream's errors after parsing).
     pub fn check_supported(&self) -> Result<(), CliError> {
         if self.restore.is_some() {
-            return Err(CliError::NotImplemented {
+            return Err(CliError::Unsupported {
                 option: "restore",
-                why: "restoring a snapshot is not implemented in this VMM yet",
+                why: "restoring a snapshot is not supported by this VMM yet",
             });
         }
         if self.no_shutdown {
-            return Err(CliError::NotImplemented {
+            return Err(CliError::Unsupported {
                 option: "no-shutdown",
-                why: "not implemented yet: the VMM exits when the guest shuts down",
+                why: "not supported yet: the VMM exits when the guest shuts down",
             });
         }
         if self.log_format.is_some() {
-            return Err(CliError::NotImplemented {
+            return Err(CliError::Unsupported {
                 option: "log-format",
-                why: "custom log formats are not implemented yet (logs use this VMM's format)",
+                why: "custom log formats are not supported yet (logs use this VMM's format)",
             });
         }
         Ok(())

@@ -1020,7 +1020,7 @@ fn validate_unsupported_only_at_default() {
     }
     assert!(set("/landlock_enable", json!(true))
         .unwrap_err()
-        .contains("Landlock confinement is not implemented"));
+        .contains("Landlock confinement is not supported"));
     // Upstream's defaults, and values that describe what this VMM does.
     for (path, value) in [
         ("/disks", json!([])),
@@ -1275,7 +1275,7 @@ fn device_options_parse_with_upstream_keys_then_validation_names_them() {
     }
     assert!(validated("--landlock")
         .unwrap_err()
-        .contains("Landlock confinement is not implemented"));
+        .contains("Landlock confinement is not supported"));
     // What this VMM does anyway is accepted.
     for args in [
         "--cpus boot=2,max=4",
@@ -1447,7 +1447,7 @@ fn vmm_options_event_monitor_log_seccomp_restore() {
         assert!(!m.contains('\n'), "{m}");
         assert_eq!(e.exit_code(), code, "{args}: {m}");
     }
-    // Good values that are not implemented are refused after parsing.
+    // Good values that are not supported are refused after parsing.
     let c = cl(
         "--restore source_url=file:///snap,prefault=on,memory_restore_mode=ondemand,resume=on,\
          net_fds=[net0@[3,4]],vfio_fds=[v0@5],zone_updates=[z@1]",
@@ -1463,7 +1463,7 @@ fn vmm_options_event_monitor_log_seccomp_restore() {
     let e = c.check_supported().unwrap_err();
     assert_eq!(
         e.to_string(),
-        "--restore: restoring a snapshot is not implemented in this VMM yet"
+        "--restore: restoring a snapshot is not supported by this VMM yet"
     );
     assert_eq!(e.exit_code(), 1);
     let e = cl("--api-socket /s --no-shutdown")
@@ -1472,7 +1472,7 @@ fn vmm_options_event_monitor_log_seccomp_restore() {
     assert!(e
         .unwrap_err()
         .to_string()
-        .starts_with("--no-shutdown: not implemented"));
+        .starts_with("--no-shutdown: not supported"));
     let c = cl(&format!(
         "--api-socket /s --log-format {}",
         options::DEFAULT_LOG_FORMAT.replace(' ', "_")

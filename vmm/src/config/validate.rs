@@ -10,7 +10,7 @@
 //!   (*ours*: upstream has the feature). A device this VMM does not have
 //!   (`disks`, `net`, `balloon`, ...) is refused unless absent, `null` or an
 //!   empty list, with an error naming the field and its option;
-//! - `landlock_enable` is refused (*ours*): confinement is not implemented
+//! - `landlock_enable` is refused (*ours*): confinement is not supported
 //!   yet, and running unconfined when confinement was asked for is worse
 //!   than not running;
 //! - `boot_vcpus` 1..=254 and `max_vcpus >= boot_vcpus`; with `max_vcpus >
@@ -76,7 +76,7 @@ pub enum ValidationError {
         what: &'static str,
     },
     #[error(
-        "`landlock_enable` (--landlock): Landlock confinement is not implemented in this VMM \
+        "`landlock_enable` (--landlock): Landlock confinement is not supported by this VMM \
          yet; refusing to run unconfined when confinement was asked for"
     )]
     Landlock,

@@ -1010,10 +1010,10 @@ pub struct VmConfig {
     /// TPM (not supported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm: Option<Value>,
-    /// Landlock confinement (not implemented: false).
+    /// Landlock confinement (not supported: false).
     #[serde(default)]
     pub landlock_enable: bool,
-    /// Landlock rules (not implemented: absent or empty).
+    /// Landlock rules (not supported: absent or empty).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub landlock_rules: Option<Value>,
     /// ivshmem (upstream's `ivshmem` build feature; not supported).

@@ -911,10 +911,9 @@ impl VcpuState {
         for (w, b) in xsave.region.iter_mut().zip(self.xsave.0.chunks_exact(4)) {
             *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         }
-        // SAFETY: KVM_SET_XSAVE reads the process's guest XSAVE size from
-        // the pointer; `CpuStateContext::new` checked (KVM_CAP_XSAVE2) that
-        // it is at most `size_of::<kvm_xsave>()`, the size of `xsave`, so
-        // the kernel reads only inside it.
+        // `CpuStateContext::new` checked (KVM_CAP_XSAVE2) that the guest's
+        // XSAVE size is at most `size_of::<kvm_xsave>()`, the size of `xsave`.
+        // SAFETY: so KVM_SET_XSAVE reads only inside `xsave`.
         unsafe { fd.set_xsave(&xsave) }.map_err(ioctl(id, "KVM_SET_XSAVE"))?;
         if !self.xcrs.is_empty() {
             let mut x = kvm_xcrs {
