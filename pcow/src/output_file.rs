@@ -22,9 +22,12 @@ use crate::error::io_err;
 use crate::error::{Error, Result};
 use crate::lock::lock_file;
 
-/// What a file type is called in an error.
-fn kind(t: FileType) -> &'static str {
-    if t.is_dir() {
+/// What a file type is called in an error (the one list every crate of
+/// the workspace uses when it refuses a file by its type).
+pub fn kind(t: FileType) -> &'static str {
+    if t.is_file() {
+        "regular file"
+    } else if t.is_dir() {
         "directory"
     } else if t.is_symlink() {
         "symbolic link"

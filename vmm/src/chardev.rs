@@ -50,25 +50,6 @@ const RETRY: Duration = Duration::from_millis(20);
 #[error("it is a {0}; output goes only to a regular file or a character device")]
 pub struct OutputFileType(pub &'static str);
 
-/// The name of a file's type, for messages.
-fn type_name(t: std::fs::FileType) -> &'static str {
-    if t.is_file() {
-        "regular file"
-    } else if t.is_dir() {
-        "directory"
-    } else if t.is_fifo() {
-        "FIFO"
-    } else if t.is_socket() {
-        "socket"
-    } else if t.is_char_device() {
-        "character device"
-    } else if t.is_block_device() {
-        "block device"
-    } else {
-        "special file"
-    }
-}
-
 /// Opens `path` for output, created if missing (then truncated, or
 /// appended to when `append`). Opened with `O_NONBLOCK` so that a FIFO
 /// (which may never be read) cannot block the open; `fstat` then accepts
@@ -76,7 +57,12 @@ fn type_name(t: std::fs::FileType) -> &'static str {
 /// `O_NONBLOCK` is cleared again for the writes. A FIFO, socket, directory
 /// or block device is refused at once, naming its type.
 pub fn open_output_file(path: &Path, append: bool) -> io::Result<File> {
-    let refused = |t| io::Error::new(io::ErrorKind::InvalidInput, OutputFileType(type_name(t)));
+    let refused = |t| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            OutputFileType(pcow::output_file::kind(t)),
+        )
+    };
     let mut o = OpenOptions::new();
     o.create(true).custom_flags(libc::O_NONBLOCK);
     if append {

@@ -81,24 +81,6 @@ impl Drop for Mapping {
     }
 }
 
-/// The name of a file's type, for messages.
-fn type_name(t: std::fs::FileType) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    if t.is_dir() {
-        "directory"
-    } else if t.is_fifo() {
-        "FIFO"
-    } else if t.is_socket() {
-        "socket"
-    } else if t.is_char_device() {
-        "character device"
-    } else if t.is_block_device() {
-        "block device"
-    } else {
-        "special file"
-    }
-}
-
 /// A raw file mapped for a guest.
 #[derive(Debug)]
 pub struct RawRegion {
@@ -130,7 +112,7 @@ impl RawRegion {
         if !meta.file_type().is_file() {
             return Err(RawError::NotRegular {
                 path: path.to_owned(),
-                kind: type_name(meta.file_type()),
+                kind: pcow::output_file::kind(meta.file_type()),
             });
         }
         let fd = file.as_raw_fd();

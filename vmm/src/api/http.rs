@@ -265,31 +265,10 @@ fn open_lock_file(path: &Path) -> Result<File, HttpError> {
     if !meta.file_type().is_file() {
         return Err(HttpError::LockNotRegular {
             path: path.to_owned(),
-            kind: file_kind(&meta.file_type()),
+            kind: pcow::output_file::kind(meta.file_type()),
         });
     }
     Ok(lock)
-}
-
-/// The name of a file's type, for messages.
-fn file_kind(t: &std::fs::FileType) -> &'static str {
-    if t.is_file() {
-        "regular file"
-    } else if t.is_dir() {
-        "directory"
-    } else if t.is_symlink() {
-        "symbolic link"
-    } else if t.is_fifo() {
-        "FIFO"
-    } else if t.is_socket() {
-        "socket"
-    } else if t.is_char_device() {
-        "character device"
-    } else if t.is_block_device() {
-        "block device"
-    } else {
-        "special file"
-    }
 }
 
 /// Whether `fd` is an open, listening Unix stream socket.
