@@ -296,3 +296,30 @@ fn refused_resets_change_nothing() {
     assert_eq!(view(&x), x_view);
     check_clean(&x);
 }
+
+#[test]
+fn reset_takes_the_image_of_a_killed_vm() {
+    let dir = tempfile::tempdir().unwrap();
+    let (x, f, id, frozen_view) = source_top(dir.path());
+    // A VM that was killed: X open for writing (DIRTY on disk, a pool
+    // past the committed end), data written, never closed; its lock goes
+    // with the process (released here through a second handle on the
+    // same open file description).
+    let mut vm = Image::open(&x, OpenOptions::read_write()).unwrap();
+    vm.write_at(b"unflushed", 2 * K64).unwrap();
+    vm.flush().unwrap();
+    vm.write_at(b"lost", 3 * K64).unwrap();
+    let handle = vm.file().unwrap().try_clone().unwrap();
+    std::mem::forget(vm);
+    handle.unlock().unwrap();
+    let dirty = pcow::check::check(&x, None, false).unwrap();
+    assert!(
+        !dirty.is_clean(),
+        "the killed VM's image is DIRTY: {dirty:?}"
+    );
+    let info = reset_to_frozen(&x, &f, &id).expect("reset");
+    assert!(info.discarded_clusters >= 4, "{info:?}");
+    assert_eq!(view(&x), frozen_view);
+    check_clean(&x);
+    assert_eq!(FileIdentity::of_path(&f).unwrap(), id);
+}

@@ -33,6 +33,7 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -191,6 +192,19 @@ impl FreezePlan {
             .canonicalize()
             .map_err(path_err(image.path(), "resolving the image's path"))?;
         let dir = top.parent().unwrap_or(Path::new("/")).to_owned();
+        // A freeze that a crash cut between its link and its rename left
+        // a second name of the image: say so (it is cheap to see, and the
+        // name, unlike a temporary, cannot be told from a user's own link).
+        if let Ok(md) = std::fs::metadata(&top) {
+            if md.nlink() > 1 {
+                log::warn!(
+                    "{}: the image has {} names; a freeze cut by a crash leaves one \
+                     (the frozen name of an incomplete snapshot, safe to remove)",
+                    top.display(),
+                    md.nlink()
+                );
+            }
+        }
         let bad = |why| FreezeError::BadName {
             path: frozen.to_owned(),
             why,
