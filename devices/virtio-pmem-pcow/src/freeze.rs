@@ -340,16 +340,18 @@ fn switch(
                 format: BaseFormat::Pcow,
             }),
         };
+        // Whatever is at T now is not ours (the stale ones are gone): a
+        // failure leaves it alone.
+        let theirs = std::fs::symlink_metadata(&plan.temp).is_ok();
         let img = match Image::create_new(&plan.temp, &opts) {
             Ok(img) => img,
-            // Not ours: left alone.
             Err(pcow::Error::Io { source, .. })
                 if source.kind() == io::ErrorKind::AlreadyExists =>
             {
                 return Err(path_err(&plan.temp, "creating the overlay")(source));
             }
             Err(e) => {
-                done.created = true;
+                done.created = !theirs;
                 return Err(img_err(&plan.temp, "creating the overlay")(e));
             }
         };

@@ -12,11 +12,13 @@ use common::*;
 use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use pcow::replace::{temp_name, TempPurpose};
 use pcow::{BaseFormat, BaseRef, CreateOptions, FileIdentity, Image, OpenOptions};
-use virtio_pmem_pcow::{FreezeError, RegionOptions};
+use virtio_pmem_pcow::{FreezeError, PcowRegion, Quiesce, RegionOptions, WriteGate};
 
 fn hash_file(path: &Path) -> u64 {
     let mut h = DefaultHasher::new();
@@ -450,4 +452,114 @@ fn freeze_cost_does_not_grow_with_the_virtual_size() {
         sizes[1].1 < 64 << 20,
         "the 16 GiB top stays thin: {sizes:?}"
     );
+}
+
+/// Records the log length at each hold: the state a freeze captured.
+struct MarkingGate {
+    gate: Arc<WriteGate>,
+    log: Arc<Mutex<Vec<(u64, u8)>>>,
+    marks: Mutex<Vec<usize>>,
+}
+
+impl Quiesce for MarkingGate {
+    fn hold(&self) -> Result<(), virtio_pmem_pcow::QuiesceError> {
+        self.gate.hold()?;
+        let n = self.log.lock().unwrap().len();
+        self.marks.lock().unwrap().push(n);
+        Ok(())
+    }
+    fn release(&self) {
+        self.gate.release();
+    }
+}
+
+fn replay(model0: &[u8], log: &[(u64, u8)]) -> Vec<u8> {
+    let mut m = model0.to_vec();
+    for &(off, v) in log {
+        m[off as usize] = v;
+    }
+    m
+}
+
+#[test]
+fn freezes_taken_while_writers_run_capture_exactly_the_held_state() {
+    if !uffd_or_skip("freezes_taken_while_writers_run_capture_exactly_the_held_state") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (x, model0) = two_level(dir.path(), 128);
+    let gate = Arc::new(WriteGate::new());
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let marking = Arc::new(MarkingGate {
+        gate: gate.clone(),
+        log: log.clone(),
+        marks: Mutex::new(Vec::new()),
+    });
+    let (region, monitor) =
+        PcowRegion::open(&x, marking.clone(), &RegionOptions::default()).expect("region");
+    let monitor = serve(monitor);
+    let (base, len) = (region.host_addr() as usize, region.len());
+    let stop = Arc::new(AtomicBool::new(false));
+    let threads = 3u64;
+    let slots = len / 512;
+    let writers: Vec<_> = (0..threads)
+        .map(|t| {
+            let (gate, stop, log) = (gate.clone(), stop.clone(), log.clone());
+            std::thread::spawn(move || {
+                let (mut n, mut r) = (0u64, t + 1);
+                while !stop.load(Ordering::Relaxed) || n < 200 {
+                    r = r
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let s = (r >> 33) % (slots / threads) * threads + t;
+                    let off = s * 512 + (r >> 20) % 500;
+                    let v = (r >> 56) as u8 | 1;
+                    let _in = gate.enter();
+                    gwrite(base, len, off, &[v]);
+                    log.lock().unwrap().push((off, v));
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let (f1, f2) = (dir.path().join("snap1"), dir.path().join("snap2"));
+    std::thread::sleep(Duration::from_millis(200));
+    let i1 = region.freeze(&f1).expect("freeze 1");
+    std::thread::sleep(Duration::from_millis(200));
+    region.barrier().unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let i2 = region.freeze(&f2).expect("freeze 2");
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, Ordering::Relaxed);
+    let writes: u64 = writers.into_iter().map(|w| w.join().unwrap()).sum();
+    region.barrier().unwrap();
+    let marks = marking.marks.lock().unwrap().clone();
+    let log = log.lock().unwrap().clone();
+    eprintln!(
+        "{writes} writes; freeze 1 held {:?}, freeze 2 held {:?}; marks {marks:?}",
+        i1.held, i2.held
+    );
+    assert_eq!(marks.len(), 4, "holds: freeze, barrier, freeze, barrier");
+    assert!(
+        marks[0] > 0 && marks[0] < marks[2] && marks[2] < log.len(),
+        "writers ran around both freezes: {marks:?} of {}",
+        log.len()
+    );
+    let now = replay(&model0, &log);
+    same(&gread(base, len, 0, now.len()), &now, "region");
+    let at1 = replay(&model0, &log[..marks[0]]);
+    let at2 = replay(&model0, &log[..marks[2]]);
+    same(&reopen_read(&f1), &at1, "F1 while running");
+    same(&reopen_read(&f2), &at2, "F2 while running");
+    monitor.stop();
+    drop(region);
+    same(&reopen_read(&x), &now, "X reopened");
+    same(&reopen_read(&f1), &at1, "F1");
+    same(&reopen_read(&f2), &at2, "F2");
+    assert_eq!(FileIdentity::of_path(&f1).unwrap(), i1.identity);
+    assert_eq!(FileIdentity::of_path(&f2).unwrap(), i2.identity);
+    for p in [&x, &f1, &f2] {
+        check_clean(p);
+    }
 }
