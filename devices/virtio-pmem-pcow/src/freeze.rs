@@ -144,6 +144,48 @@ impl From<OverlayError> for FreezeError {
     }
 }
 
+/// The steps after which a test can make a freeze fail
+/// ([`fail_next_freeze`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreezeStep {
+    /// After `link(X, F)`.
+    Linked,
+    /// After the overlay was created at T (before it is started).
+    Created,
+    /// After the shared ranges were remapped from F (before the rename).
+    Remapped,
+    /// After `rename(T, X)` (before the directory's sync).
+    Renamed,
+}
+
+thread_local! {
+    static FAIL_AT: std::cell::Cell<Option<FreezeStep>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the next freeze run on this thread fail after `step` with an
+/// injected I/O error. The undo paths after the link cannot otherwise be
+/// reached on demand (a file system does not fail a rename when asked);
+/// tests use this to show each of them leaves the device on its image.
+/// Thread-local: a freeze runs on its caller's thread, so parallel tests
+/// do not see each other's injections.
+#[doc(hidden)]
+pub fn fail_next_freeze(step: FreezeStep) {
+    FAIL_AT.with(|f| f.set(Some(step)));
+}
+
+fn injected(step: FreezeStep) -> Result<(), FreezeError> {
+    if FAIL_AT.with(|f| f.get()) != Some(step) {
+        return Ok(());
+    }
+    FAIL_AT.with(|f| f.set(None));
+    Err(FreezeError::Path {
+        path: PathBuf::from(format!("{step:?}")),
+        what: "injected failure (test)",
+        source: io::Error::other("injected"),
+    })
+}
+
 /// The reopened image is not the file the device had.
 #[derive(Debug, thiserror::Error)]
 #[error("{path}: names another file than the device's image after the failed freeze")]
@@ -332,6 +374,7 @@ fn switch(
             }
         })?;
         done.linked = true;
+        injected(FreezeStep::Linked)?;
         let opts = CreateOptions {
             cluster_size: Some(cs),
             virtual_size: Some(virtual_size),
@@ -356,6 +399,7 @@ fn switch(
             }
         };
         done.created = true;
+        injected(FreezeStep::Created)?;
         let img = LiveImage::new(img).map_err(img_err(&plan.temp, "starting the overlay"))?;
         let img = new.insert(img);
         st.pool.configure(img);
@@ -405,9 +449,11 @@ fn switch(
             remapped.push(*r);
             st.tracking.track(&st.view, r.vcn, r.end);
         }
+        injected(FreezeStep::Remapped)?;
         img.rename_in_dir(&plan.top)
             .map_err(img_err(&plan.temp, "renaming the overlay over the image"))?;
         done.renamed = true;
+        injected(FreezeStep::Renamed)?;
         sync_dir(&plan.top).map_err(path_err(&plan.top, "syncing the image's directory"))?;
         Ok(base_id)
     })();

@@ -18,7 +18,9 @@ use std::time::{Duration, Instant};
 
 use pcow::replace::{temp_name, TempPurpose};
 use pcow::{BaseFormat, BaseRef, CreateOptions, FileIdentity, Image, OpenOptions};
-use virtio_pmem_pcow::{FreezeError, PcowRegion, Quiesce, RegionOptions, WriteGate};
+use virtio_pmem_pcow::{
+    fail_next_freeze, FreezeError, FreezeStep, PcowRegion, Quiesce, RegionOptions, WriteGate,
+};
 
 fn hash_file(path: &Path) -> u64 {
     let mut h = DefaultHasher::new();
@@ -562,4 +564,63 @@ fn freezes_taken_while_writers_run_capture_exactly_the_held_state() {
     for p in [&x, &f1, &f2] {
         check_clean(p);
     }
+}
+
+#[test]
+fn a_failure_at_each_step_leaves_the_device_on_its_image() {
+    if !uffd_or_skip("a_failure_at_each_step_leaves_the_device_on_its_image") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (x, mut model) = two_level(dir.path(), 32);
+    let rig = Rig::open(&x, &RegionOptions::default()).expect("region");
+    let x_ino = FileIdentity::of_path(&x).unwrap();
+    let f = dir.path().join("snap");
+    let steps = [
+        FreezeStep::Linked,
+        FreezeStep::Created,
+        FreezeStep::Remapped,
+        FreezeStep::Renamed,
+    ];
+    for (i, step) in steps.into_iter().enumerate() {
+        scribble(&rig, &mut model, i as u64 + 1);
+        let shared_before = rig.region.status().unwrap().shared;
+        assert!(shared_before > 0, "the freeze has ranges to remap");
+        fail_next_freeze(step);
+        let e = rig.region.freeze(&f).unwrap_err();
+        eprintln!("{step:?}: {}", error_report::chain(&e));
+        assert!(matches!(e, FreezeError::Path { .. }), "{step:?}: {e:?}");
+        let names: Vec<String> = listing(dir.path()).into_keys().collect();
+        assert_eq!(names, ["base.pcow", "disk.pcow"], "{step:?}: F and T gone");
+        assert!(
+            FileIdentity::of_path(&x).unwrap().same_file(&x_ino),
+            "{step:?}: X is the device's file"
+        );
+        let st = rig.region.status().unwrap();
+        assert_eq!((st.chain_depth, st.detached), (2, None), "{step:?}");
+        assert!(
+            st.shared >= shared_before,
+            "{step:?}: remapped ranges mapped shared again ({} < {shared_before})",
+            st.shared
+        );
+        same(
+            &rig.read(0, model.len()),
+            &model,
+            "region after the failure",
+        );
+        // The device goes on: faults and barriers into X.
+        scribble(&rig, &mut model, 10 + i as u64);
+        rig.region.barrier().unwrap();
+        same(&view_forced(&x), &model, "X after the failure");
+    }
+    let at_freeze = model.clone();
+    let info = rig.region.freeze(&f).expect("freeze");
+    assert!(info.identity.same_file(&x_ino));
+    scribble(&rig, &mut model, 20);
+    rig.region.barrier().unwrap();
+    rig.close();
+    same(&reopen_read(&x), &model, "X");
+    same(&reopen_read(&f), &at_freeze, "F");
+    check_clean(&x);
+    check_clean(&f);
 }
