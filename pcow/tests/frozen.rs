@@ -234,6 +234,22 @@ fn reset_puts_the_image_back_to_the_frozen_content() {
         ]
     );
 
+    // Through a symbolic link: the file it leads to is reset, the link
+    // stays.
+    let link = dir.path().join("link.pcow");
+    std::os::unix::fs::symlink("disk.pcow", &link).unwrap();
+    let mut w = Image::open(&link, OpenOptions::read_write()).unwrap();
+    w.write_at(b"past", 0).unwrap();
+    w.close().unwrap();
+    let info = reset_to_frozen(&link, &f, &id).expect("reset through a link");
+    assert_eq!(info.image, x.canonicalize().unwrap());
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(view(&link), frozen_view);
+    std::fs::remove_file(&link).unwrap();
+
     // A second level between X and F: it leaves the chain.
     let mid = dir.path().join("mid.pcow");
     std::fs::rename(&x, &mid).unwrap();
