@@ -38,7 +38,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use pcow::format::MAX_CHAIN_DEPTH;
-use pcow::replace::{remove_stale_temps, sync_dir, temp_name, TempPurpose};
+use pcow::replace::{is_temp_name, remove_stale_temps, sync_dir, temp_name, TempPurpose};
 use pcow::{
     BaseFormat, BaseRef, ClusterSource, CreateOptions, FileIdentity, Image, LiveImage, OpenOptions,
 };
@@ -277,8 +277,10 @@ impl FreezePlan {
             .to_owned();
         let temp = temp_name(&top, TempPurpose::Freeze)
             .ok_or_else(|| bad("the image's path names no file"))?;
-        if temp == frozen_abs {
-            return Err(bad("the name of the freeze's own temporary file"));
+        if is_temp_name(&top, &frozen_abs) {
+            return Err(bad(
+                "named like a temporary file of the image (a later freeze removes those)",
+            ));
         }
         Ok(FreezePlan {
             top,

@@ -214,6 +214,8 @@ fn refused_freezes_change_nothing() {
     let own_temp = temp_name(&canon(&x), TempPurpose::Freeze).unwrap();
     let e = refuse(&own_temp);
     assert!(matches!(e, FreezeError::BadName { .. }), "{e:?}");
+    let e = refuse(&dir.path().join(".disk.pcow.reset-12.tmp"));
+    assert!(matches!(e, FreezeError::BadName { .. }), "{e:?}");
     // The device goes on, and a freeze works.
     scribble(&rig, &mut model, 2);
     same(&rig.read(0, model.len()), &model, "region");
