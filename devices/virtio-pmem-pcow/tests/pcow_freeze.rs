@@ -189,6 +189,7 @@ fn refused_freezes_change_nothing() {
     let refuse = |f: &Path| {
         let before = listing_beside(dir.path(), Some(&x));
         let others = listing(other.path());
+        let x_view = view_forced(&x);
         let e = rig.region.freeze(f).unwrap_err();
         eprintln!("refused: {}", error_report::chain(&e));
         assert_eq!(
@@ -197,6 +198,7 @@ fn refused_freezes_change_nothing() {
             "nothing changed"
         );
         assert_eq!(listing(other.path()), others);
+        same(&view_forced(&x), &x_view, "X's content");
         e
     };
     let exists = dir.path().join("precious");
