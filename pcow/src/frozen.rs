@@ -307,16 +307,17 @@ pub fn reset_to_frozen(
         .map_err(io_err(image, "reading metadata"))?
         .unwrap_or(0);
     let discarded_clusters = old.allocated_clusters();
-    let temp = temp_name(image, TempPurpose::Reset).ok_or_else(|| FrozenError::Io {
+    // The file itself is replaced, in its own directory: a symbolic link
+    // to it stays a link (to the reset image).
+    let target = image
+        .canonicalize()
+        .map_err(io_err(image, "resolving the path"))?;
+    let temp = temp_name(&target, TempPurpose::Reset).ok_or_else(|| FrozenError::Io {
         path: image.to_owned(),
         what: "the path names no file",
         source: io::Error::from(io::ErrorKind::InvalidInput),
     })?;
     let (temp, base) = base_name_for(&temp, frozen)?;
-    let target = match temp.parent() {
-        Some(d) => d.join(image.file_name().unwrap_or_default()),
-        None => image.to_owned(),
-    };
     remove_stale_temps(&target).map_err(io_err(&target, "removing stale temporary images"))?;
     create_over(&temp, &base, &frozen_img)?;
     drop(frozen_img);

@@ -68,6 +68,18 @@ fn is_temp_of(entry: &[u8], name: &[u8]) -> bool {
     })
 }
 
+/// Whether `path` is named like a temporary file of `image` (in its
+/// directory, any purpose, any pid): a name [`remove_stale_temps`] may
+/// remove, which nothing else should use.
+pub fn is_temp_name(image: &Path, path: &Path) -> bool {
+    match (image.file_name(), path.file_name()) {
+        (Some(i), Some(p)) => {
+            dir_of(image) == dir_of(path) && is_temp_of(p.as_bytes(), i.as_bytes())
+        }
+        _ => false,
+    }
+}
+
 /// Removes the temporary files a crash left beside `image` (one readdir
 /// of its directory): regular files named as [`temp_name`] makes them, for
 /// any purpose and process, whose lock no process holds (a replacement in
@@ -142,6 +154,12 @@ mod tests {
             assert!(!is_temp_of(other, b"disk.pcow"), "{other:?}");
         }
         assert_eq!(temp_name(Path::new("/"), TempPurpose::Reset), None);
+        assert!(is_temp_name(Path::new("/d/disk.pcow"), &t));
+        assert!(!is_temp_name(Path::new("/e/disk.pcow"), &t));
+        assert!(!is_temp_name(
+            Path::new("/d/disk.pcow"),
+            Path::new("/d/disk.pcow.snap-1")
+        ));
     }
 
     #[test]

@@ -234,6 +234,22 @@ fn reset_puts_the_image_back_to_the_frozen_content() {
         ]
     );
 
+    // Through a symbolic link: the file it leads to is reset, the link
+    // stays.
+    let link = dir.path().join("link.pcow");
+    std::os::unix::fs::symlink("disk.pcow", &link).unwrap();
+    let mut w = Image::open(&link, OpenOptions::read_write()).unwrap();
+    w.write_at(b"past", 0).unwrap();
+    w.close().unwrap();
+    let info = reset_to_frozen(&link, &f, &id).expect("reset through a link");
+    assert_eq!(info.image, x.canonicalize().unwrap());
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert_eq!(view(&link), frozen_view);
+    std::fs::remove_file(&link).unwrap();
+
     // A second level between X and F: it leaves the chain.
     let mid = dir.path().join("mid.pcow");
     std::fs::rename(&x, &mid).unwrap();
@@ -295,4 +311,31 @@ fn refused_resets_change_nothing() {
 
     assert_eq!(view(&x), x_view);
     check_clean(&x);
+}
+
+#[test]
+fn reset_takes_the_image_of_a_killed_vm() {
+    let dir = tempfile::tempdir().unwrap();
+    let (x, f, id, frozen_view) = source_top(dir.path());
+    // A VM that was killed: X open for writing (DIRTY on disk, a pool
+    // past the committed end), data written, never closed; its lock goes
+    // with the process (released here through a second handle on the
+    // same open file description).
+    let mut vm = Image::open(&x, OpenOptions::read_write()).unwrap();
+    vm.write_at(b"unflushed", 2 * K64).unwrap();
+    vm.flush().unwrap();
+    vm.write_at(b"lost", 3 * K64).unwrap();
+    let handle = vm.file().unwrap().try_clone().unwrap();
+    std::mem::forget(vm);
+    handle.unlock().unwrap();
+    let dirty = pcow::check::check(&x, None, false).unwrap();
+    assert!(
+        !dirty.is_clean(),
+        "the killed VM's image is DIRTY: {dirty:?}"
+    );
+    let info = reset_to_frozen(&x, &f, &id).expect("reset");
+    assert!(info.discarded_clusters >= 4, "{info:?}");
+    assert_eq!(view(&x), frozen_view);
+    check_clean(&x);
+    assert_eq!(FileIdentity::of_path(&f).unwrap(), id);
 }

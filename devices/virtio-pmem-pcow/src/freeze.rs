@@ -33,11 +33,12 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use pcow::format::MAX_CHAIN_DEPTH;
-use pcow::replace::{remove_stale_temps, sync_dir, temp_name, TempPurpose};
+use pcow::replace::{is_temp_name, remove_stale_temps, sync_dir, temp_name, TempPurpose};
 use pcow::{
     BaseFormat, BaseRef, ClusterSource, CreateOptions, FileIdentity, Image, LiveImage, OpenOptions,
 };
@@ -143,6 +144,48 @@ impl From<OverlayError> for FreezeError {
     }
 }
 
+/// The steps after which a test can make a freeze fail
+/// ([`fail_next_freeze`]).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FreezeStep {
+    /// After `link(X, F)`.
+    Linked,
+    /// After the overlay was created at T (before it is started).
+    Created,
+    /// After the shared ranges were remapped from F (before the rename).
+    Remapped,
+    /// After `rename(T, X)` (before the directory's sync).
+    Renamed,
+}
+
+thread_local! {
+    static FAIL_AT: std::cell::Cell<Option<FreezeStep>> = const { std::cell::Cell::new(None) };
+}
+
+/// Makes the next freeze run on this thread fail after `step` with an
+/// injected I/O error. The undo paths after the link cannot otherwise be
+/// reached on demand (a file system does not fail a rename when asked);
+/// tests use this to show each of them leaves the device on its image.
+/// Thread-local: a freeze runs on its caller's thread, so parallel tests
+/// do not see each other's injections.
+#[doc(hidden)]
+pub fn fail_next_freeze(step: FreezeStep) {
+    FAIL_AT.with(|f| f.set(Some(step)));
+}
+
+fn injected(step: FreezeStep) -> Result<(), FreezeError> {
+    if FAIL_AT.with(|f| f.get()) != Some(step) {
+        return Ok(());
+    }
+    FAIL_AT.with(|f| f.set(None));
+    Err(FreezeError::Path {
+        path: PathBuf::from(format!("{step:?}")),
+        what: "injected failure (test)",
+        source: io::Error::other("injected"),
+    })
+}
+
 /// The reopened image is not the file the device had.
 #[derive(Debug, thiserror::Error)]
 #[error("{path}: names another file than the device's image after the failed freeze")]
@@ -191,6 +234,19 @@ impl FreezePlan {
             .canonicalize()
             .map_err(path_err(image.path(), "resolving the image's path"))?;
         let dir = top.parent().unwrap_or(Path::new("/")).to_owned();
+        // A freeze that a crash cut between its link and its rename left
+        // a second name of the image: say so (it is cheap to see, and the
+        // name, unlike a temporary, cannot be told from a user's own link).
+        if let Ok(md) = std::fs::metadata(&top) {
+            if md.nlink() > 1 {
+                log::warn!(
+                    "{}: the image has {} names; a freeze cut by a crash leaves one \
+                     (the frozen name of an incomplete snapshot, safe to remove)",
+                    top.display(),
+                    md.nlink()
+                );
+            }
+        }
         let bad = |why| FreezeError::BadName {
             path: frozen.to_owned(),
             why,
@@ -221,8 +277,10 @@ impl FreezePlan {
             .to_owned();
         let temp = temp_name(&top, TempPurpose::Freeze)
             .ok_or_else(|| bad("the image's path names no file"))?;
-        if temp == frozen_abs {
-            return Err(bad("the name of the freeze's own temporary file"));
+        if is_temp_name(&top, &frozen_abs) {
+            return Err(bad(
+                "named like a temporary file of the image (a later freeze removes those)",
+            ));
         }
         Ok(FreezePlan {
             top,
@@ -318,6 +376,7 @@ fn switch(
             }
         })?;
         done.linked = true;
+        injected(FreezeStep::Linked)?;
         let opts = CreateOptions {
             cluster_size: Some(cs),
             virtual_size: Some(virtual_size),
@@ -326,20 +385,23 @@ fn switch(
                 format: BaseFormat::Pcow,
             }),
         };
+        // Whatever is at T now is not ours (the stale ones are gone): a
+        // failure leaves it alone.
+        let theirs = std::fs::symlink_metadata(&plan.temp).is_ok();
         let img = match Image::create_new(&plan.temp, &opts) {
             Ok(img) => img,
-            // Not ours: left alone.
             Err(pcow::Error::Io { source, .. })
                 if source.kind() == io::ErrorKind::AlreadyExists =>
             {
                 return Err(path_err(&plan.temp, "creating the overlay")(source));
             }
             Err(e) => {
-                done.created = true;
+                done.created = !theirs;
                 return Err(img_err(&plan.temp, "creating the overlay")(e));
             }
         };
         done.created = true;
+        injected(FreezeStep::Created)?;
         let img = LiveImage::new(img).map_err(img_err(&plan.temp, "starting the overlay"))?;
         let img = new.insert(img);
         st.pool.configure(img);
@@ -389,9 +451,11 @@ fn switch(
             remapped.push(*r);
             st.tracking.track(&st.view, r.vcn, r.end);
         }
+        injected(FreezeStep::Remapped)?;
         img.rename_in_dir(&plan.top)
             .map_err(img_err(&plan.temp, "renaming the overlay over the image"))?;
         done.renamed = true;
+        injected(FreezeStep::Renamed)?;
         sync_dir(&plan.top).map_err(path_err(&plan.top, "syncing the image's directory"))?;
         Ok(base_id)
     })();

@@ -97,7 +97,7 @@ pub use device::{
     QUEUE_SIZE,
 };
 pub use fault::{Monitor, MonitorError, NoCluster};
-pub use freeze::{FreezeError, FreezeInfo};
+pub use freeze::{fail_next_freeze, FreezeError, FreezeInfo, FreezeStep};
 pub use health::{is_out_of_space, Failure};
 pub use mapping::{max_map_count, MapsError};
 pub use monitor_thread::{MonitorReport, MonitorThread};
