@@ -108,7 +108,7 @@ pub(crate) fn input_open_error(path: &Path, op: &'static str, e: std::io::Error)
 
 /// Opens `path` read-only as an input: without blocking on a FIFO, and
 /// refusing anything but a regular file ([`regular_input`]).
-pub(crate) fn open_regular_input(path: &Path) -> Result<File> {
+pub fn open_regular_input(path: &Path) -> Result<File> {
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
