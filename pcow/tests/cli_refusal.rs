@@ -748,3 +748,40 @@ fn unsafe_rebase_checks_the_new_base() {
         &["rebase", "-u", "-b", "b2.pcow", "-F", "pcow", "t.pcow"],
     );
 }
+
+/// The chain depth limit (32 images) holds for every command that makes a
+/// chain: `create -b` on a full chain, and `rebase` (safe and `-u`) onto
+/// a base whose chain is full, are refused naming the limit and change
+/// nothing; `commit` of the top of a full chain works.
+#[test]
+fn chains_past_the_depth_limit_are_refused_by_every_command() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let name = |i: usize| format!("i{i:02}.pcow");
+    ok(p, &["create", "-c", "4k", &name(0), "1M"]);
+    for k in 1..32 {
+        ok(p, &["create", "-b", &name(k - 1), "-F", "pcow", &name(k)]);
+    }
+    ok(p, &["create", "-c", "4k", "other.pcow", "1M"]);
+    let mut failures = Vec::new();
+    for (args, what) in [
+        (
+            vec!["create", "-b", "i31.pcow", "-F", "pcow", "j.pcow"],
+            "create on a full chain",
+        ),
+        (
+            vec!["rebase", "-u", "-b", "i31.pcow", "-F", "pcow", "other.pcow"],
+            "unsafe rebase onto a full chain",
+        ),
+        (
+            vec!["rebase", "-b", "i31.pcow", "-F", "pcow", "other.pcow"],
+            "safe rebase onto a full chain",
+        ),
+    ] {
+        failures.extend(check_refused(p, &args, what, "32").err());
+    }
+    all_ok(failures);
+    ok(p, &["io", "i31.pcow", "-c", "write -P 9 0 4k"]);
+    ok(p, &["commit", "i31.pcow"]);
+    ok(p, &["io", "-r", "i30.pcow", "-c", "read -P 9 0 4k"]);
+}
