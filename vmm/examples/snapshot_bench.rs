@@ -598,7 +598,7 @@ fn memory_section(dir: &Path, bin: &Path, kernel: &Path, snap: &Path) -> Res<()>
             Some("memory_restore_mode=copyonwrite"),
         ),
         (
-            "restored, CopyOnWrite + prefault (RAM touched)",
+            "restored, CopyOnWrite + prefault (RAM populated)",
             Some("memory_restore_mode=copyonwrite,prefault=on"),
         ),
         ("booted fresh (RAM untouched: the floor)", None),
