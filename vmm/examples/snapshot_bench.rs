@@ -664,7 +664,7 @@ fn memory_section(dir: &Path, bin: &Path, kernel: &Path, snap: &Path) -> Res<()>
         }
         let per: Vec<String> = pss.iter().map(|p| format!("{}", p >> 10)).collect();
         println!(
-            "| {label} | {} | {} | {} | {:.2} |",
+            "| {label} | {} | {} | {} | {:.3} |",
             per.join(", "),
             sum >> 10,
             rss >> 10,
