@@ -34,6 +34,10 @@ pub const MAX_GENERATION: u64 = 1 << 62;
 pub const MAX_LAYERS: u32 = 65536;
 /// Implementation limit on images in a chain, the top included.
 pub const MAX_CHAIN_DEPTH: usize = 32;
+/// Implementation limit on `cluster_count`: clusters are indexed with 32
+/// bits in memory (an entry's index, a segment's first entry), and the
+/// limit is checked before anything is allocated for the walk.
+pub const MAX_CLUSTER_COUNT: u64 = 1 << 32;
 
 pub(crate) const META_MAGIC: [u8; 4] = *b"PMET";
 pub(crate) const SNAP_MAGIC: [u8; 4] = *b"PSNP";
@@ -102,7 +106,7 @@ pub enum FormatError {
         "R4: base_format {value} at offset {offset} (0 probe, 1 raw, 2 pcow; 0 without a base)"
     )]
     BaseFormat { value: u8, offset: u64 },
-    #[error("R5: cluster_count {value} at offset {offset} (must be >= 1 and within the file's {file_clusters} clusters)")]
+    #[error("R5: cluster_count {value} at offset {offset} (must be >= 1, within the file's {file_clusters} clusters and at most the limit 2^32)")]
     ClusterCount {
         value: u64,
         file_clusters: u64,
