@@ -106,12 +106,14 @@ pub enum FormatError {
         "R4: base_format {value} at offset {offset} (0 probe, 1 raw, 2 pcow; 0 without a base)"
     )]
     BaseFormat { value: u8, offset: u64 },
-    #[error("R5: cluster_count {value} at offset {offset} (must be >= 1, within the file's {file_clusters} clusters and at most the limit 2^32)")]
+    #[error("R5: cluster_count {value} at offset {offset} (must be >= 1 and within the file's {file_clusters} clusters)")]
     ClusterCount {
         value: u64,
         file_clusters: u64,
         offset: u64,
     },
+    #[error("R5: cluster_count {value} at offset {offset} is past the limit of 2^32 clusters")]
+    ClusterCountLimit { value: u64, offset: u64 },
     #[error(
         "R5: active_layer {value} at offset {offset} (must be below layer_count {layer_count})"
     )]
@@ -203,7 +205,7 @@ impl FormatError {
             UnknownIncompatible { .. } => "R2",
             VirtualSize { .. } => "R3",
             BaseNameLength { .. } | BaseNameEncoding { .. } | BaseFormat { .. } => "R4",
-            ClusterCount { .. } | ActiveLayer { .. } => "R5",
+            ClusterCount { .. } | ClusterCountLimit { .. } | ActiveLayer { .. } => "R5",
             NoValidSlot { .. } | UnknownStructure { .. } | StructurePastEnd { .. } => "R6",
             SameGeneration { .. } => "R6",
             MetaLayer { .. } | MetaUsed { .. } => "R7",

@@ -35,11 +35,15 @@ impl Image {
         let g = self.g;
         let h = &self.header.staged;
         let file_clusters = self.alloc.file_len >> g.cluster_bits();
-        // The limit comes first: a sparse file can be as long as it likes.
-        if h.cluster_count == 0
-            || h.cluster_count > file_clusters
-            || h.cluster_count > MAX_CLUSTER_COUNT
-        {
+        // The limit comes first, before anything is allocated for the walk:
+        // a sparse file can be as long as it likes.
+        if h.cluster_count > MAX_CLUSTER_COUNT {
+            return Err(fail(FormatError::ClusterCountLimit {
+                value: h.cluster_count,
+                offset: self.header.offset() + 64,
+            }));
+        }
+        if h.cluster_count == 0 || h.cluster_count > file_clusters {
             return Err(fail(FormatError::ClusterCount {
                 value: h.cluster_count,
                 file_clusters,
