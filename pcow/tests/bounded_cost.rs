@@ -18,10 +18,13 @@ use common::hostile::{cases, Case, Expect, Made};
 use common::{run_measured, tmp};
 
 /// The target: refused or done in under a second. An unoptimized
-/// build on a shared two-core machine gets three times as long; the table
-/// shows the real times.
+/// build on a shared two-core machine gets five times as long (opening
+/// the 8 MiB of metadata of `many-entries` took 66 ms on a quiet machine,
+/// 175 ms on a busy one); the table shows the real times. What the
+/// budgets catch is a cost that follows the declared size: 2^44 clusters
+/// take hours, not seconds.
 const TIME_BUDGET: Duration = if cfg!(debug_assertions) {
-    Duration::from_secs(3)
+    Duration::from_secs(5)
 } else {
     Duration::from_secs(1)
 };
@@ -29,10 +32,15 @@ const TIME_BUDGET: Duration = if cfg!(debug_assertions) {
 const RSS_BUDGET: u64 = 64 << 20;
 /// What a command that visits the whole view (or lists it) may spend per
 /// data cluster the image holds, on top of the budgets above: it costs
-/// what is allocated, never the virtual size. Measured in a debug build:
-/// `compare` of 258,048 scattered 4 KiB clusters, 27 us and 250 bytes a
-/// cluster (two images' extent lists, the reads of both).
-const PER_CLUSTER_TIME: Duration = Duration::from_micros(40);
+/// what is allocated, never the virtual size. Measured in a debug build
+/// on 129,024 scattered 4 KiB clusters: `measure` reads every one of them
+/// (27 to 56 us a cluster, quiet to busy machine), `compare` keeps two
+/// images' extent lists (about 250 bytes a cluster).
+const PER_CLUSTER_TIME: Duration = if cfg!(debug_assertions) {
+    Duration::from_micros(100)
+} else {
+    Duration::from_micros(20)
+};
 /// See [`PER_CLUSTER_TIME`].
 const PER_CLUSTER_RSS: u64 = 512;
 /// A run is killed past this (and fails the test).
@@ -76,6 +84,7 @@ const WRITERS: &[&[&str]] = &[
     &["rebase", "-u", "-b", "", "IMG"],
     &["commit", "IMG"],
     &["resize", "IMG", "+1M"],
+    &["resize", "IMG", "72057594037927936"],
     &["compact", "IMG"],
 ];
 

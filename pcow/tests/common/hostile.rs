@@ -337,6 +337,23 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            // A small overlay of a 2^56-byte base with data at its end:
+            // growing the overlay must visit the base's data, not 2^44
+            // clusters.
+            name: "small-overlay-of-max-base",
+            expect: Expect::Opens,
+            make: |d| {
+                let b = Layout::new(12, 1 << 56)
+                    .segment(0, vec![3, (1 << 44) - 1])
+                    .write(&d.join("maxbase.pcow"));
+                let t = Layout::new(12, 1 << 20)
+                    .base(b"maxbase.pcow", 2)
+                    .segment(0, vec![1])
+                    .write(&d.join("small.pcow"));
+                made(d.join("small.pcow"), &[b, t])
+            },
+        },
+        Case {
             name: "virtual-size-past-limit",
             expect: Expect::Refused("R3: virtual_size"),
             make: |d| one(d, "past.pcow", Layout::new(12, (1 << 56) + 4096)),
@@ -369,13 +386,13 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
-            // 258,048 entries in 2,048 meta clusters (8 MiB of metadata),
+            // 129,024 entries in 1,024 meta clusters (4 MiB of metadata),
             // spread over a 2^56-byte view.
             name: "many-entries",
             expect: Expect::Opens,
             make: |d| {
                 let mut l = Layout::new(12, 1 << 56);
-                for s in 0..2048u64 {
+                for s in 0..1024u64 {
                     l = l.segment(0, (0..126).map(|i| (s * 126 + i) * 65_521).collect());
                 }
                 one(d, "many.pcow", l)
