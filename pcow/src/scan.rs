@@ -14,7 +14,8 @@ use crate::image::Image;
 use crate::meta::{ClusterMap, Entry, Layer, Segment, SnapshotInfo, VcnMap};
 
 /// Most entries reserved before the walk, whatever the header claims:
-/// 64 Ki entries, about 3 MiB with their map and bitmaps.
+/// 64 Ki entries, with their map and bitmaps about 4 MiB at 4 KiB
+/// clusters and 8 MiB at 2 MiB (the bitmaps grow with the cluster).
 const RESERVE_CAP: u64 = 1 << 16;
 
 /// The current slot of a metadata cluster and what to remember about the other.
