@@ -502,6 +502,12 @@ impl Image {
     pub fn is_writable(&self) -> bool {
         self.access.writable
     }
+    /// Whether this handle is a writer, started or deferred
+    /// ([`OpenOptions::defer_writing`]): what checks made before the first
+    /// write (a device's size limits) ask.
+    pub fn is_writer(&self) -> bool {
+        self.access.writable || self.access.deferred
+    }
     /// Whether this is a temporary overlay ([`Image::create_temporary`]):
     /// an unlinked file whose content goes when it closes.
     pub fn is_temporary(&self) -> bool {
