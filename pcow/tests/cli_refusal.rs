@@ -785,3 +785,45 @@ fn chains_past_the_depth_limit_are_refused_by_every_command() {
     ok(p, &["commit", "i31.pcow"]);
     ok(p, &["io", "-r", "i30.pcow", "-c", "read -P 9 0 4k"]);
 }
+
+/// A raw output the file system cannot hold (`EFBIG`): `create -f raw`
+/// and `convert -O raw` fail naming the size, and leave no new file (an
+/// existing one is as it was).
+#[test]
+fn raw_outputs_too_large_for_the_file_system_leave_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    // 4 PiB: past ext4's largest file, within pcow's limits. A file system
+    // that holds it (XFS, tmpfs) cannot show the refusal.
+    let probe = std::fs::File::create(p.join("probe")).unwrap();
+    if probe.set_len(4096 << 40).is_ok() {
+        println!("SKIPPED raw_outputs_too_large_for_the_file_system_leave_nothing: this file system holds a 4 PiB file");
+        return;
+    }
+    drop(probe);
+    std::fs::remove_file(p.join("probe")).unwrap();
+    ok(p, &["create", "-f", "pcow", "big.pcow", "4096T"]);
+    std::fs::write(p.join("old.raw"), b"old").unwrap();
+    let mut failures = Vec::new();
+    for (args, what) in [
+        (
+            vec!["create", "-f", "raw", "new.raw", "4096T"],
+            "create raw",
+        ),
+        (
+            vec!["create", "-f", "raw", "old.raw", "4096T"],
+            "create raw over a file",
+        ),
+        (
+            vec!["convert", "-O", "raw", "big.pcow", "new.raw"],
+            "convert to raw",
+        ),
+        (
+            vec!["convert", "-O", "raw", "big.pcow", "old.raw"],
+            "convert over a file",
+        ),
+    ] {
+        failures.extend(check_refused(p, &args, what, "sizing").err());
+    }
+    all_ok(failures);
+}
