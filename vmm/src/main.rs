@@ -183,12 +183,22 @@ fn run() -> Result<()> {
 
     let signals = signal_fd()?;
     // Standard input goes to the serial port or the console on `tty`
-    // (chardev::Chardevs::stdin_owner picks which).
-    let tty = config.as_ref().is_some_and(|c| {
+    // (chardev::Chardevs::stdin_owner picks which): of the VM booted or
+    // restored at start (a snapshot's config says), or of one created or
+    // restored later through the API. For a later one only a standard
+    // input that is not a terminal is served (a pipe, a FIFO): a terminal
+    // is left as it is (non-blocking, raw) for a VM that may never use it.
+    let uses_tty = |c: &vmm::config::VmConfig| {
         c.serial.mode == ConsoleOutputMode::Tty || c.console.mode == ConsoleOutputMode::Tty
+    };
+    let restored_tty = restore.as_ref().is_some_and(|r| {
+        vmm::snapshot::dir::SnapshotDir::open(&r.source).is_ok_and(|s| uses_tty(s.config()))
     });
+    let tty = config.as_ref().is_some_and(uses_tty) || restored_tty;
+    let later = cl.api_socket.is_some() && !std::io::stdin().is_terminal();
+    let serve_stdin = tty || later;
     let stdin_fd = std::io::stdin().as_raw_fd();
-    if tty {
+    if serve_stdin {
         // Non-blocking, so that a read never stalls the control loop.
         // SAFETY: fcntl on standard input with valid flags.
         unsafe {
@@ -198,7 +208,7 @@ fn run() -> Result<()> {
             }
         }
     }
-    let stdin_ok = tty && control::stdin_pollable(stdin_fd);
+    let stdin_ok = serve_stdin && control::stdin_pollable(stdin_fd);
     if tty && !stdin_ok {
         log::info!("standard input cannot be polled (a file or /dev/null): no console input");
     }
