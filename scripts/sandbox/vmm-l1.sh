@@ -99,6 +99,12 @@ if [ "${1:-}" = __restore ]; then
     [ "${VMM_LOG:-}" = vv ] && v_=-vv
     exec ./cloud-hypervisor $v_ --api-socket "path=$3" --restore "$2"
 fi
+# __empty SOCKET: a VMM with nothing but its API (a VM comes by vm.restore).
+if [ "${1:-}" = __empty ]; then
+    v_=-v
+    [ "${VMM_LOG:-}" = vv ] && v_=-vv
+    exec ./cloud-hypervisor $v_ --api-socket "path=$2"
+fi
 
 up() { cut -d' ' -f1 /proc/uptime; }
 since() { awk -v a="$1" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }'; }
@@ -1420,10 +1426,32 @@ s18_run() {
     frozen=$(frozen_of $S18DIR)
     [ -n "$frozen" ] && [ -f "$frozen" ] || { why="state.json names no frozen pcow file for _pmem0 (got '$frozen')"; return 1; }
     h0=$(dir_sums $S18DIR "$frozen")
+    # Clones 1 and 2: `cloud-hypervisor --restore`; clone 3: an empty VMM,
+    # then `ch-remote restore` and `ch-remote resume` (both upstream ways).
     for k in 1 2 3; do
         rm -f /tmp/s18-clone$k.pcow
-        vm_restore s18-clone$k $((5 + k)) /tmp/ch-c$k.sock \
-            "source_url=file://$S18DIR,resume=on,memory_restore_mode=copyonwrite,pmem=[_pmem0@/tmp/s18-clone$k.pcow]" || return 1
+        ropts="source_url=file://$S18DIR,memory_restore_mode=copyonwrite,pmem=[_pmem0@/tmp/s18-clone$k.pcow]"
+        if [ $k -lt 3 ]; then
+            vm_restore s18-clone$k $((5 + k)) /tmp/ch-c$k.sock "$ropts,resume=on" || return 1
+        else
+            vm_fifo 8 || { why="mkfifo failed"; return 1; }
+            rm -f /tmp/ch-c3.sock
+            t=$(up)
+            sh "$0" __empty /tmp/ch-c3.sock </tmp/vmin-8 >$L/s18-clone3.log 2>&1 &
+            pid=$!
+            SOCK=/tmp/ch-c3.sock
+            if until_ 30 test -S $SOCK; then
+                api s18-c3-restore restore "$ropts"
+                [ $arc -eq 0 ] || why="clone 3: ch-remote restore $ropts: rc=$arc ($(api_err s18-c3-restore))"
+                api s18-c3-info info
+                [ -n "$why" ] || [ "$(json_state s18-c3-info)" = Paused ] || why="clone 3: state '$(json_state s18-c3-info)' after vm.restore, expected Paused"
+                [ -n "$why" ] || api s18-c3-resume resume
+                [ -n "$why" ] || [ $arc -eq 0 ] || why="clone 3: ch-remote resume: rc=$arc ($(api_err s18-c3-resume))"
+            else
+                why="clone 3: the empty VMM made no API socket"
+            fi
+            SOCK=/tmp/ch.sock
+        fi
         eval "p$k=$pid t$k=$t"
     done
     for k in 1 2 3; do
@@ -1457,7 +1485,7 @@ s18_run() {
         chain_check /tmp/s18-clone$k.pcow 0 || return 1
     done
     [ "$h0" = "$h1" ] || { why="the snapshot directory or the frozen file changed while the clones ran (sha256 of all files $h0 -> $h1)"; return 1; }
-    note="3 clones (copyonwrite RAM, own overlays) ran at once, each saw only its own file, powered off, exit 0; snapshot dir + frozen file byte-identical; check rc=0"
+    note="3 clones (copyonwrite RAM, own overlays; 2 by --restore, 1 by vm.restore on an empty VMM) ran at once, each saw only its own file, powered off, exit 0; snapshot dir + frozen file byte-identical; check rc=0"
 }
 
 # Scenario 19: kill -9 of the source VMM during `ch-remote snapshot`, at a

@@ -82,7 +82,9 @@
 #                     on the host: the chain flattened, e2fsck -fn clean, A
 #                     and no B; the source's chain before the restore has B
 #  18 snap-clones     three VMs restored at once from one snapshot
-#                     (memory_restore_mode=copyonwrite, pmem=[_pmem0@cloneK]):
+#                     (memory_restore_mode=copyonwrite, pmem=[_pmem0@cloneK];
+#                     two by --restore, one by ch-remote restore + resume on
+#                     an empty VMM):
 #                     each writes its own file and lists only its own; the
 #                     snapshot directory and the frozen file byte-identical
 #                     (sha256 of all files) before and after; each clone
