@@ -65,7 +65,8 @@ pub const GENERIC_VHOST_USER_SYNTAX: &str = "device_type=<virtio device type num
     pci_device_id=<pci_slot>";
 /// `restore`'s syntax.
 pub const RESTORE_SYNTAX: &str = "source_url=<source_url>,prefault=on|off,\
-    memory_restore_mode=copy|ondemand,resume=on|off,zone_updates=[<zone_id>@<host_numa_node>,...]";
+    memory_restore_mode=copy|ondemand|copyonwrite,resume=on|off,\
+    zone_updates=[<zone_id>@<host_numa_node>,...],pmem=[<pmem_id>@<clone_file>,...]";
 /// `send-migration`'s syntax.
 pub const SEND_MIGRATION_SYNTAX: &str = "destination_url=<url>[,local=on|off,\
     preserve_source=on|off,downtime_ms=<milliseconds>,timeout_s=<seconds>,\
@@ -564,15 +565,23 @@ pub fn restore(arg: &str) -> Result<String, OptionError> {
         "iommufd_fd",
         "resume",
         "zone_updates",
+        "pmem",
     ];
     let o = Options::parse(arg, &all)?;
     refuse_fds(&o, &["net_fds", "vfio_fds", "iommufd_fd"])?;
     let mode = o.choice(
         "memory_restore_mode",
-        &[("copy", "Copy"), ("ondemand", "OnDemand")],
-        "copy or ondemand",
+        &[
+            ("copy", "Copy"),
+            ("ondemand", "OnDemand"),
+            ("copyonwrite", "CopyOnWrite"),
+        ],
+        "copy, ondemand or copyonwrite",
     )?;
-    Ok(Object::new()
+    // This VMM's clone extension: sent only when given, so that the bytes
+    // of upstream's own options stay upstream's.
+    let clones = o.path_pair_list("pmem", "[<pmem_id>@<clone_file>,...]")?;
+    let body = Object::new()
         .field("source_url", o.required("source_url")?)
         .field("prefault", o.toggle("prefault")?.unwrap_or(false))
         .field("memory_restore_mode", mode.unwrap_or("Copy"))
@@ -580,8 +589,17 @@ pub fn restore(arg: &str) -> Result<String, OptionError> {
         .field("vfio_fds", Json::Null)
         .field("iommufd_fd", Json::Null)
         .field("resume", o.toggle("resume")?.unwrap_or(false))
-        .field("zone_updates", zone_updates(&o)?)
-        .to_string())
+        .field("zone_updates", zone_updates(&o)?);
+    let body = match clones {
+        None => body,
+        Some(list) => body.field(
+            "pmem",
+            list.into_iter()
+                .map(|(id, file)| Object::new().field("id", id).field("file", file).into())
+                .collect::<Vec<Json>>(),
+        ),
+    };
+    Ok(body.to_string())
 }
 
 /// `tcp:<host>:<port>` or `unix:<path>`, as upstream checks a migration URL.
@@ -993,7 +1011,7 @@ mod tests {
             (add_generic_vhost_user, "device_type=fs,socket=/s", "`queue_sizes` is required"),
             (restore, "prefault=on", "`source_url` is required"),
             (restore, "source_url=file:///s,net_fds=[n0@[3]]", "`net_fds` passes file descriptors"),
-            (restore, "source_url=file:///s,memory_restore_mode=lazy", "invalid value `lazy` for `memory_restore_mode`: expected copy or ondemand"),
+            (restore, "source_url=file:///s,memory_restore_mode=lazy", "invalid value `lazy` for `memory_restore_mode`: expected copy, ondemand or copyonwrite"),
             (send_migration, "unix:/tmp/mig", "unknown option `unix:/tmp/mig`"),
             (send_migration, "destination_url=ftp://x", "expected tcp:<host>:<port> or unix:<path>"),
             (send_migration, "destination_url=tcp:host", "expected tcp:<host>:<port>"),

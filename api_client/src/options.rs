@@ -198,6 +198,29 @@ impl Options {
         })
     }
 
+    /// `[a@/path/one,b@/path/two]`: names each with a path (the path may
+    /// hold `@`; the name is what comes before the first one).
+    pub fn path_pair_list(
+        &self,
+        key: &str,
+        expected: &'static str,
+    ) -> Result<Option<Vec<(String, String)>>, OptionError> {
+        self.convert(key, expected, |v| {
+            let inner = v.strip_prefix('[')?.strip_suffix(']')?;
+            if inner.trim().is_empty() {
+                return Some(Vec::new());
+            }
+            inner
+                .split(',')
+                .map(|pair| {
+                    let (name, path) = pair.trim().split_once('@')?;
+                    (!name.is_empty() && !path.is_empty() && !name.contains(['[', ']']))
+                        .then(|| (unquote(name).to_owned(), unquote(path).to_owned()))
+                })
+                .collect()
+        })
+    }
+
     /// `[0@[0,1],1@[2-3]]`: queue indices (at most `max_index`) each with
     /// a list of host CPUs (at most `max_cpu`, ranges allowed).
     pub fn affinity_list(

@@ -275,7 +275,18 @@ impl Image {
     /// ([`Error::Locked`], the file unchanged); anything else there, a
     /// symbolic link included, is refused (see [`crate::output_file`]).
     pub fn create(path: impl AsRef<Path>, opts: &CreateOptions) -> Result<Image> {
-        let path = path.as_ref();
+        Self::create_mode(path.as_ref(), opts, true)
+    }
+
+    /// [`Image::create`] that never replaces: anything at `path` (a file,
+    /// a dangling link) is refused with [`Error::Io`] of kind
+    /// `AlreadyExists`, after the base chain was opened and checked, and
+    /// nothing is written to it.
+    pub fn create_new(path: impl AsRef<Path>, opts: &CreateOptions) -> Result<Image> {
+        Self::create_mode(path.as_ref(), opts, false)
+    }
+
+    fn create_mode(path: &Path, opts: &CreateOptions, replace: bool) -> Result<Image> {
         let cluster_size = opts.cluster_size.unwrap_or(DEFAULT_CLUSTER_SIZE);
         let g = Geometry::from_cluster_size(cluster_size).ok_or_else(|| {
             Error::Invalid(format!(
@@ -290,7 +301,11 @@ impl Image {
         // truncated once everything has been; a new file is only made once
         // the base chain has opened. See `output_file` for what is refused.
         let mut ctx = ChainCtx::default();
-        let existing = crate::output_file::open_existing_output(path)?;
+        let existing = if replace {
+            crate::output_file::open_existing_output(path)?
+        } else {
+            None
+        };
         if let Some(f) = &existing {
             ctx.visit(f, path)?;
         }
@@ -418,6 +433,29 @@ impl Image {
                 .map_err(io_err(&self.path, "dropping the pool"))?;
             self.alloc.file_len = end;
         }
+        Ok(())
+    }
+
+    /// Renames the image's file to `to`, in the same directory (so that a
+    /// relative base name resolves as before), replacing atomically
+    /// whatever file is there (`rename(2)`); the image keeps its open file
+    /// and its lock, and names itself `to` from now on. The caller syncs
+    /// the directory ([`crate::replace::sync_dir`]) when the new name must
+    /// survive a crash.
+    pub fn rename_in_dir(&mut self, to: &Path) -> Result<()> {
+        let dir = |p: &Path| match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+            _ => PathBuf::from("."),
+        };
+        if dir(&self.path) != dir(to) || to.file_name().is_none() {
+            return Err(Error::Invalid(format!(
+                "renaming {} to {}: not a file name in the same directory",
+                self.path.display(),
+                to.display()
+            )));
+        }
+        std::fs::rename(&self.path, to).map_err(io_err(&self.path, "renaming"))?;
+        self.path = to.to_owned();
         Ok(())
     }
 

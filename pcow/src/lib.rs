@@ -35,7 +35,9 @@
 //!   page sources, extents), `write`, `append` (new clusters, segments,
 //!   layers), `barrier` (the staged commit), `snapshot`, `live` (what a
 //!   device that maps the image uses), `temp` (temporary overlays);
-//! - `check`, `ops` (the `pcow-img` operations).
+//! - `check`, `ops` (the `pcow-img` operations), `identity` (which file,
+//!   changed or not), `replace` (replacing an image under its name),
+//!   `frozen` (clones of and resets to a VM snapshot's frozen image).
 #![warn(missing_docs)]
 
 mod alloc;
@@ -48,7 +50,9 @@ mod commit;
 mod error;
 mod extent;
 pub mod format;
+mod frozen;
 mod header;
+mod identity;
 mod image;
 pub mod io;
 mod live;
@@ -56,6 +60,7 @@ pub mod lock;
 mod meta;
 pub mod ops;
 pub mod output_file;
+pub mod replace;
 mod scan;
 mod slot_ends;
 mod snapshot;
@@ -69,7 +74,9 @@ pub use commit::Commit;
 pub use error::{Error, Result};
 pub use extent::Extent;
 pub use format::{BaseFormat, BaseRef, FormatError, Geometry, Header};
+pub use frozen::{create_clone, reset_to_frozen, FrozenError, ResetInfo};
 pub use header::is_pcow;
+pub use identity::FileIdentity;
 pub use image::{CreateOptions, Image, OpenOptions, DEFAULT_CLUSTER_SIZE};
 pub use live::{ActiveCluster, LiveImage};
 pub use meta::SnapshotInfo;

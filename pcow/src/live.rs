@@ -234,6 +234,12 @@ impl LiveImage {
         self.image
     }
 
+    /// Renames the image's file within its directory
+    /// ([`Image::rename_in_dir`]).
+    pub fn rename_in_dir(&mut self, to: &std::path::Path) -> Result<()> {
+        self.image.rename_in_dir(to)
+    }
+
     /// Closes the image ([`Image::close`]).
     pub fn close(self) -> Result<()> {
         self.image.close()

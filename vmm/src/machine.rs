@@ -182,6 +182,8 @@ pub enum MachineError {
         #[source]
         source: std::io::Error,
     },
+    #[error("the snapshot's RAM is {ram:#x} bytes, its config says {config:#x}")]
+    RestoredRam { ram: u64, config: u64 },
     #[error("raising the power button interrupt (GSI {})", acpi::GED_GSI)]
     PowerButton(#[source] std::io::Error),
 }
@@ -329,6 +331,14 @@ impl Pmem {
     /// for a raw file.
     pub fn barrier(&self) -> Option<Result<BarrierStats, BarrierError>> {
         self.pcow().map(PcowRegion::barrier)
+    }
+
+    /// A raw file's fsync (`None` for pcow).
+    pub fn sync_raw(&self) -> Option<std::io::Result<()>> {
+        match &self.backend {
+            PmemBackend::Pcow(_) => None,
+            PmemBackend::Raw(r) => Some(r.sync()),
+        }
     }
 
     /// The barrier at the end of a run: pcow's, or fsync for a raw file.
@@ -550,14 +560,7 @@ impl Machine {
             .and_then(|p| p.kernel.as_deref())
             .ok_or(MachineError::NoKernel)?;
         let ram_size = config.memory.size;
-        let nvcpus = config.cpus.boot_vcpus;
-
         let vm = Vm::new(&crate::vm::VmConfig { ram_size }).map_err(MachineError::Vm)?;
-        vm.fd().create_irq_chip().map_err(MachineError::Irqchip)?;
-        let router = GsiRouter::new(vm.fd_arc());
-        router.install_defaults().map_err(MachineError::Irq)?;
-        let ctl = VcpuControl::new().map_err(MachineError::Vcpu)?;
-
         // The kernel first: a file that is not a kernel fails before any
         // image is opened.
         let boot = linux::load(
@@ -571,6 +574,80 @@ impl Machine {
         )
         .map_err(MachineError::Boot)?;
         crate::boot::write_reset_stub(vm.memory()).map_err(MachineError::Boot)?;
+        let m = Self::assemble(config, pmem, chardevs, vm)?;
+        // ACPI tables, now that the PCI window is known.
+        let window = lock_state(&m.bus).window();
+        acpi::create_acpi_tables(
+            m.vm.memory(),
+            &AcpiConfig {
+                vcpus: usize::from(config.cpus.boot_vcpus),
+                pci_mmio64_start: window.base,
+                pci_mmio64_size: window.size,
+            },
+        )
+        .map_err(MachineError::Acpi)?;
+        if let Some(v) = m.vcpus.first() {
+            v.set_regs(&boot.vcpu.regs()).map_err(MachineError::Vcpu)?;
+            v.update_sregs(|s| boot.vcpu.apply_sregs(s))
+                .map_err(MachineError::Vcpu)?;
+        }
+        log::info!(
+            "machine: {} vCPU(s), {} MiB RAM, kernel {} ({:?}), {} pmem device(s)",
+            config.cpus.boot_vcpus,
+            ram_size >> 20,
+            kernel.display(),
+            boot.protocol,
+            m.pmem.len()
+        );
+        Ok(m)
+    }
+
+    /// Builds the machine of a restored snapshot: `config` and `pmem` as
+    /// the snapshot's config gives them (pmem files already swapped for
+    /// the restore's own), guest RAM `memory` from `memory-ranges` (the
+    /// kernel, boot data and ACPI tables are in it). Devices, vCPUs and
+    /// irqchip are fresh, in the same order and places as the source
+    /// machine's, for [`Machine::restore_devices`] and the vCPU and VM
+    /// states to be put back into.
+    pub fn build_restored(
+        config: &VmConfig,
+        pmem: &[ValidatedPmem],
+        chardevs: &Arc<Chardevs>,
+        memory: vm_memory::GuestMemoryMmap,
+    ) -> Result<Machine, MachineError> {
+        let kvm =
+            kvm_ioctls::Kvm::new().map_err(|e| MachineError::Vm(crate::vm::VmError::OpenKvm(e)))?;
+        let vm = Vm::with_memory(kvm, memory).map_err(MachineError::Vm)?;
+        if vm.ram_end() != config.memory.size {
+            return Err(MachineError::RestoredRam {
+                ram: vm.ram_end(),
+                config: config.memory.size,
+            });
+        }
+        let m = Self::assemble(config, pmem, chardevs, vm)?;
+        log::info!(
+            "machine restored: {} vCPU(s), {} MiB RAM, {} pmem device(s)",
+            config.cpus.boot_vcpus,
+            config.memory.size >> 20,
+            m.pmem.len()
+        );
+        Ok(m)
+    }
+
+    /// What a booted and a restored machine share: the irqchip, the
+    /// devices in upstream's order with their pmem regions above RAM, the
+    /// legacy ports, and the vCPUs (configured, without registers yet).
+    fn assemble(
+        config: &VmConfig,
+        pmem: &[ValidatedPmem],
+        chardevs: &Arc<Chardevs>,
+        vm: Vm,
+    ) -> Result<Machine, MachineError> {
+        let nvcpus = config.cpus.boot_vcpus;
+        vm.fd().create_irq_chip().map_err(MachineError::Irqchip)?;
+        let router = GsiRouter::new(vm.fd_arc());
+        router.install_defaults().map_err(MachineError::Irq)?;
+        let ctl = VcpuControl::new().map_err(MachineError::Vcpu)?;
         // The entropy source next: a bad `--rng src=` fails before any
         // image is opened.
         let rng_dev = RngDevice::open(&config.rng.src).map_err(MachineError::Rng)?;
@@ -733,18 +810,7 @@ impl Machine {
         let ports = ports.build();
         let ged = irq::irqfd(vm.fd(), acpi::GED_GSI).map_err(MachineError::Irq)?;
 
-        // ACPI tables, now that the PCI window is known.
-        acpi::create_acpi_tables(
-            vm.memory(),
-            &AcpiConfig {
-                vcpus: usize::from(nvcpus),
-                pci_mmio64_start: window.base,
-                pci_mmio64_size: window.size,
-            },
-        )
-        .map_err(MachineError::Acpi)?;
-
-        // vCPUs: CPUID, MSRs, FPU, LAPIC; the boot vCPU's registers.
+        // vCPUs: CPUID, MSRs, FPU, LAPIC.
         let base_cpuid = cpu::supported_cpuid(vm.kvm()).map_err(MachineError::Cpu)?;
         let tsc_deadline = cpu::tsc_deadline(vm.kvm());
         let mut vcpus = Vec::new();
@@ -752,20 +818,8 @@ impl Machine {
             let v = vm.create_vcpu(id).map_err(MachineError::Vm)?;
             let cpuid = cpu::patch_cpuid(&base_cpuid, id, nvcpus, tsc_deadline);
             cpu::configure(&v, &cpuid).map_err(MachineError::Cpu)?;
-            if id == 0 {
-                v.set_regs(&boot.vcpu.regs()).map_err(MachineError::Vcpu)?;
-                v.update_sregs(|s| boot.vcpu.apply_sregs(s))
-                    .map_err(MachineError::Vcpu)?;
-            }
             vcpus.push(v);
         }
-        log::info!(
-            "machine: {nvcpus} vCPU(s), {} MiB RAM, kernel {} ({:?}), {} pmem device(s)",
-            ram_size >> 20,
-            kernel.display(),
-            boot.protocol,
-            devices.len()
-        );
         Ok(Machine {
             threads: Vec::new(),
             vcpus,
@@ -997,8 +1051,27 @@ impl Machine {
 
     /// The state of every device (serial, power ports, PCI bus, each
     /// virtio-pci function, the console's input), by device id. Call with
-    /// the vCPUs paused and the device threads idle.
+    /// the vCPUs paused.
     pub fn device_states(&self) -> DeviceStates {
+        let held = self.hold_pmem_queues();
+        self.device_states_held(&held)
+    }
+
+    /// Holds every pmem function, in device order, until the guards drop:
+    /// a request its queue thread serves finishes first, and the thread
+    /// serves nothing more meanwhile. With the vCPUs paused too, nothing
+    /// changes the devices' state or their rings in guest RAM: a snapshot
+    /// captures both at one instant.
+    pub fn hold_pmem_queues(&self) -> Vec<std::sync::MutexGuard<'_, VirtioPciDevice>> {
+        self.pmem.iter().map(|p| lock_state(&p.virtio)).collect()
+    }
+
+    /// [`Machine::device_states`] with the pmem functions already held
+    /// ([`Machine::hold_pmem_queues`]).
+    pub fn device_states_held(
+        &self,
+        held: &[std::sync::MutexGuard<'_, VirtioPciDevice>],
+    ) -> DeviceStates {
         let mut s = DeviceStates::new();
         if let Some(serial) = &self.serial {
             let st = lock_state(serial).state();
@@ -1008,9 +1081,16 @@ impl Machine {
         s.insert(POWER_ID, DeviceState::Power(power));
         let bus = lock_state(&self.bus).state();
         s.insert(PCI_BUS_ID, DeviceState::PciBus(bus));
-        for (id, f) in self.virtio_functions() {
-            let st = lock_state(f).state();
-            s.insert(virtio_pci_id(id), DeviceState::VirtioPci(Box::new(st)));
+        let own = self.console.iter().map(|c| &c.function).chain([&self.rng]);
+        for f in own {
+            let st = lock_state(&f.virtio).state();
+            s.insert(virtio_pci_id(f.id), DeviceState::VirtioPci(Box::new(st)));
+        }
+        for (p, guard) in self.pmem.iter().zip(held) {
+            s.insert(
+                virtio_pci_id(&p.id),
+                DeviceState::VirtioPci(Box::new(guard.state())),
+            );
         }
         if let Some(c) = &self.console {
             let st = lock_state(&c.input).state();

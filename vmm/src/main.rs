@@ -21,6 +21,7 @@ use vmm::config::cli::{self, Action, ApiSocket, CommandLine};
 use vmm::config::options::{EventMonitor, Seccomp};
 use vmm::config::ConsoleOutputMode;
 use vmm::control::{self, Inputs};
+use vmm::snapshot::restore::RestoreRequest;
 use vmm::vmm::{Vmm, VmmExit};
 use vmm_sys_util::terminal::Terminal;
 
@@ -159,9 +160,17 @@ fn run() -> Result<()> {
     }
     cl.check_supported().map_err(CliExit)?;
     start_outputs(&cl)?;
-    if cl.vm.is_none() && cl.api_socket.is_none() {
-        bail!("nothing to run: give --kernel, or --api-socket to create a VM through the API");
+    if cl.vm.is_none() && cl.api_socket.is_none() && cl.restore.is_none() {
+        bail!(
+            "nothing to run: give --kernel, --restore, or --api-socket to create a VM through \
+             the API"
+        );
     }
+    let restore = cl
+        .restore
+        .as_ref()
+        .map(RestoreRequest::from_cli)
+        .transpose()?;
     // Check the whole config before anything else happens: a bad value is
     // one error line and no guest starts.
     let config = match cl.vm {
@@ -214,6 +223,9 @@ fn run() -> Result<()> {
     if let Some(c) = config {
         vmm.create(c).map_err(vmm_error)?;
         vmm.boot().map_err(vmm_error)?;
+    }
+    if let Some(r) = &restore {
+        vmm.restore(r).map_err(vmm_error)?;
     }
     let exit = vmm.run();
     if let Some(s) = &server {

@@ -172,19 +172,34 @@ impl Vm {
 
     /// [`Vm::new`] with an already open `/dev/kvm`.
     pub fn with_kvm(kvm: Kvm, config: &VmConfig) -> Result<Vm, VmError> {
-        let v = kvm.get_api_version();
-        if v != kvm_bindings::KVM_API_VERSION as i32 {
-            return Err(VmError::ApiVersion(v));
-        }
         let size = config.ram_size;
         if size == 0 || !size.is_multiple_of(PAGE) || size > MAX_RAM {
             return Err(VmError::RamSize { size, max: MAX_RAM });
         }
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size as usize)])
+            .map_err(VmError::GuestMemory)?;
+        Self::with_memory(kvm, memory)
+    }
+
+    /// A VM whose guest RAM is `memory` (a restored snapshot's: copied or
+    /// mapped from `memory-ranges`), which must start at guest address 0
+    /// and fit under [`MAX_RAM`].
+    pub fn with_memory(kvm: Kvm, memory: GuestMemoryMmap) -> Result<Vm, VmError> {
+        let v = kvm.get_api_version();
+        if v != kvm_bindings::KVM_API_VERSION as i32 {
+            return Err(VmError::ApiVersion(v));
+        }
+        let end = memory.last_addr().0.saturating_add(1);
+        let starts_at_zero = memory.iter().any(|r| r.start_addr().0 == 0);
+        if !starts_at_zero || !end.is_multiple_of(PAGE) || end > MAX_RAM {
+            return Err(VmError::RamSize {
+                size: end,
+                max: MAX_RAM,
+            });
+        }
         let fd = Arc::new(kvm.create_vm().map_err(VmError::CreateVm)?);
         fd.set_tss_address(TSS_ADDRESS)
             .map_err(VmError::TssAddress)?;
-        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size as usize)])
-            .map_err(VmError::GuestMemory)?;
         let table = Arc::new(Mutex::new(SlotTable {
             max: kvm.get_nr_memslots(),
             used: Vec::new(),

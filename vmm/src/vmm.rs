@@ -43,6 +43,8 @@ use crate::control::{self, Inputs, Outcome};
 use crate::event_monitor::event;
 use crate::health::OutOfSpace;
 use crate::machine::{Machine, Pmem};
+use crate::snapshot::restore::RestoreRequest;
+use crate::snapshot::{capture, restore_machine};
 use crate::vmm_error::{ShutdownError, VmmError};
 
 /// The VM's state.
@@ -321,6 +323,77 @@ impl Vmm {
         m.ctl.resume();
         *state = VmState::Running;
         event("vm", "resumed", &[]);
+        Ok(None)
+    }
+
+    /// `vm.snapshot` of the paused VM into `destination_url`'s directory.
+    fn snapshot(&mut self, destination_url: &str) -> HandlerResult {
+        let vm = self.vm.as_ref().ok_or(VmmError::NotRunning)?;
+        let Some(m) = vm.machine.as_ref() else {
+            return Err(VmmError::NotRunning);
+        };
+        if vm.state != VmState::Paused {
+            return Err(wrong_state("Trying to snapshot while VM is running"));
+        }
+        let dir = capture::destination_path(destination_url)
+            .map_err(|e| VmmError::Snapshot(Box::new(e)))?;
+        let discarding: Vec<String> = vm
+            .config
+            .pmem()
+            .iter()
+            .filter(|p| p.discard_writes)
+            .filter_map(|p| p.id.clone())
+            .collect();
+        event("vm", "snapshotting", &[]);
+        let c = capture::capture(m, &vm.config, &discarding, &dir)
+            .map_err(|e| VmmError::Snapshot(Box::new(e)))?;
+        let t = &c.times;
+        log::info!(
+            "snapshot {}: vCPU/VM state {:?}, devices {:?}, RAM {:?}, pmem {:?}, files {:?}",
+            dir.display(),
+            t.cpu_state,
+            t.devices,
+            t.memory,
+            t.pmem,
+            t.files
+        );
+        event("vm", "snapshotted", &[]);
+        Ok(None)
+    }
+
+    /// `vm.restore` (and `--restore`): a new VM from a snapshot, paused
+    /// unless the request asks to resume it.
+    pub fn restore(&mut self, req: &RestoreRequest) -> HandlerResult {
+        if let Some(vm) = &self.vm {
+            return Err(wrong_state(format!(
+                "VM is already created (it is {}): vm.delete it first",
+                vm.state.name()
+            )));
+        }
+        event("vm", "restoring", &[]);
+        let r = restore_machine::restore(req).map_err(|e| VmmError::Restore(Box::new(e)))?;
+        let t = &r.times;
+        log::info!(
+            "restored {}: read {:?}, RAM {:?} ({:?}), pmem {:?}, machine {:?}",
+            req.source.display(),
+            t.read,
+            t.memory,
+            req.memory_restore_mode,
+            t.pmem,
+            t.machine
+        );
+        self.vm = Some(Vm {
+            config: r.config,
+            state: VmState::Paused,
+            machine: Some(r.machine),
+            events: None,
+            boots: 1,
+            chardevs: Some(r.chardevs),
+        });
+        event("vm", "restored", &[]);
+        if req.resume {
+            self.resume()?;
+        }
         Ok(None)
     }
 
@@ -907,6 +980,11 @@ impl RequestHandler for Vmm {
             ApiRequest::VmPowerButton => self.power_button(),
             ApiRequest::VmNmi => self.nmi(),
             ApiRequest::VmResize(r) => self.resize(r),
+            ApiRequest::VmSnapshot(c) => self.snapshot(&c.destination_url),
+            ApiRequest::VmRestore(body) => {
+                let req = RestoreRequest::from_value(&body).map_err(VmmError::BadRestore)?;
+                self.restore(&req)
+            }
             ApiRequest::Unsupported(u) => self.unsupported(u),
             ApiRequest::VmAddPmem(cfg) => self.add_pmem(*cfg),
             ApiRequest::VmRemoveDevice(d) => self.remove_device(&d.id),

@@ -80,6 +80,14 @@ pub enum VmmError {
     #[error("{}: no snapshot with id or tag {snapshot:?}", path.display())]
     NoSuchSnapshot { path: PathBuf, snapshot: String },
 
+    // VM snapshots.
+    #[error("{0}")]
+    BadRestore(#[source] crate::snapshot::restore::RestoreError),
+    #[error("taking the snapshot")]
+    Snapshot(#[source] Box<crate::snapshot::capture::CaptureFailed>),
+    #[error("restoring the snapshot")]
+    Restore(#[source] Box<crate::snapshot::restore_machine::RestoreFailed>),
+
     // Building, starting, stopping the machine.
     #[error("building the VM")]
     Chardevs(#[source] ChardevError),

@@ -346,7 +346,7 @@ fn options_we_cannot_honour_are_refused_by_name() {
         ),
         (
             vec!["--restore", "source_url=file:///nonexistent"],
-            vec!["--restore", "not supported"],
+            vec!["--restore", "cannot be combined with --kernel"],
         ),
     ] {
         let args = k(&extra);
@@ -630,4 +630,24 @@ fn a_non_utf8_file_name_is_refused_not_altered() {
         "{err}"
     );
     assert_eq!(std::fs::read(&lossy).unwrap(), vec![0u8; 2 << 20]);
+}
+
+#[test]
+fn restore_of_a_missing_or_relative_snapshot_fails_naming_it() {
+    let _serial = common::serial();
+    refused(
+        &["--restore", "source_url=file:///nonexistent-snapshot-dir"],
+        &["restoring the snapshot", "/nonexistent-snapshot-dir"],
+    );
+    refused(
+        &["--restore", "source_url=file://relative/dir"],
+        &["must be absolute"],
+    );
+    refused(
+        &[
+            "--restore",
+            "source_url=file:///s,memory_restore_mode=ondemand",
+        ],
+        &["OnDemand", "not supported"],
+    );
 }

@@ -28,8 +28,8 @@
 //! - `harvest`: write tracking and the pages a barrier moves; `state`:
 //!   the region state and its locks; `build`: building a region;
 //! - `fault`: fault resolution and the [`Monitor`]; `barrier`: the
-//!   barrier; `overlay`: live overlays; [`MonitorThread`]: the monitor's
-//!   thread;
+//!   barrier; `overlay`: live overlays; `freeze`: a VM snapshot's
+//!   freeze of the top image; [`MonitorThread`]: the monitor's thread;
 //! - `region`: [`PcowRegion`], the facade, and [`PmemBackend`] (either
 //!   kind of device as a [`FlushBackend`], for a VMM).
 //!
@@ -37,7 +37,7 @@
 //!
 //! - the monitor thread ([`MonitorThread`], one per device) serves the
 //!   userfaultfd (faults into holes, and wakes) and the pool's eventfd;
-//! - a barrier, a snapshot and an overlay run on their caller's thread (the
+//! - a barrier, a snapshot, an overlay and a freeze run on their caller's thread (the
 //!   device's queue for a guest FLUSH, the VMM's for the API);
 //! - the pool worker (one per device) reserves clusters with `fallocate`
 //!   off the fault path and signals the pool's eventfd.
@@ -73,6 +73,7 @@ mod clusters;
 pub mod device;
 mod fault;
 pub mod fault_poll;
+mod freeze;
 mod harvest;
 mod health;
 mod mapping;
@@ -96,6 +97,7 @@ pub use device::{
     QUEUE_SIZE,
 };
 pub use fault::{Monitor, MonitorError, NoCluster};
+pub use freeze::{fail_next_freeze, FreezeError, FreezeInfo, FreezeStep};
 pub use health::{is_out_of_space, Failure};
 pub use mapping::{max_map_count, MapsError};
 pub use monitor_thread::{MonitorReport, MonitorThread};

@@ -221,14 +221,14 @@ pub(crate) fn overlay(
 }
 
 /// The top file of `image`.
-fn top_file(image: &Image) -> io::Result<&File> {
+pub(crate) fn top_file(image: &Image) -> io::Result<&File> {
     image
         .file()
         .ok_or_else(|| io::Error::from_raw_os_error(libc::EBADF))
 }
 
 /// The shared clusters of the region, in runs contiguous in the top file.
-fn shared_runs(st: &RegionState) -> Result<Vec<FileRun>, OverlayError> {
+pub(crate) fn shared_runs(st: &RegionState) -> Result<Vec<FileRun>, OverlayError> {
     let image = st.image()?;
     let cs = st.view.cs;
     let mut runs = Vec::new();

@@ -15,6 +15,7 @@ use crate::clusters::ClusterState;
 use crate::device::{FlushBackend, FlushError};
 use crate::fault::Monitor;
 use crate::fault_poll::{FaultPoll, DEFAULT_FAULT_POLL};
+use crate::freeze::{self, FreezeError, FreezeInfo};
 use crate::harvest::pending_pages;
 use crate::health::Failure;
 use crate::mapping::vmas_in;
@@ -257,6 +258,21 @@ impl PcowRegion {
     /// documented in the crate's `overlay` module.
     pub fn overlay(&self, new_file: &Path) -> Result<OverlayInfo, OverlayError> {
         overlay::overlay(&self.shared, &*self.quiesce, new_file)
+    }
+
+    /// Freezes the device's top image for a VM snapshot: the image as it
+    /// is now (after a barrier) keeps living, immutable, under `frozen`, a
+    /// new name in its directory (a hard link: no data is copied), and
+    /// the image's path names a new empty overlay over it, on which the
+    /// guest continues. Writers and the state lock are held throughout.
+    /// Refused before any change: `frozen` exists or is in another
+    /// directory, the chain is at its depth limit, the device discards
+    /// its writes. A failure later undoes the new names and reopens the
+    /// image (see [`PcowRegion::overlay`] for what is left if it cannot
+    /// be). The steps and the files a crash leaves are documented in the
+    /// crate's `freeze` module and `docs/snapshots.md`.
+    pub fn freeze(&self, frozen: &Path) -> Result<FreezeInfo, FreezeError> {
+        freeze::freeze(&self.shared, &*self.quiesce, frozen)
     }
 
     /// Why a write fault could not get a cluster because the file system

@@ -10,6 +10,8 @@ use super::ApiError;
 use crate::chardev::ChardevError;
 use crate::config::ValidationError;
 use crate::machine::MachineError;
+use crate::snapshot::capture::CaptureFailed;
+use crate::snapshot::restore_machine::RestoreFailed;
 use crate::vmm_error::VmmError;
 
 /// The answer to a failed action: its status and its chain (outermost
@@ -59,6 +61,9 @@ pub fn status(e: &VmmError) -> u16 {
         VmmError::Build(b) => build_status(b),
         VmmError::OpenImage { source, .. } | VmmError::Image { source, .. } => pcow_status(source),
         VmmError::Barrier { source, .. } => barrier_status(source),
+        VmmError::BadRestore(_) => 400,
+        VmmError::Snapshot(c) => snapshot_status(c),
+        VmmError::Restore(r) => restore_status(r),
         VmmError::Overlay(o) => match o {
             OverlayError::Exists { .. } => 409,
             OverlayError::Path { .. } => 400,
@@ -111,4 +116,15 @@ fn barrier_status(e: &BarrierError) -> u16 {
         BarrierError::Discarding => 400,
         _ => 500,
     }
+}
+
+/// A snapshot or a restore that failed: 500, as upstream answers every
+/// failure of `vm.snapshot` and `vm.restore` (a request this VMM refuses
+/// before trying is [`VmmError::BadRestore`], 400).
+fn snapshot_status(_: &CaptureFailed) -> u16 {
+    500
+}
+
+fn restore_status(_: &RestoreFailed) -> u16 {
+    500
 }

@@ -104,6 +104,13 @@ pub struct VmResize {
     pub desired_balloon: Option<u64>,
 }
 
+/// `PUT vm.snapshot`'s body (upstream's `VmSnapshotConfig`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct VmSnapshotConfig {
+    /// Where to write the snapshot: `file:///DIR`.
+    pub destination_url: String,
+}
+
 /// An upstream endpoint of a device or feature this VMM does not have:
 /// its body was valid JSON, and the VMM answers with a clear refusal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,6 +156,11 @@ pub enum ApiRequest {
     VmNmi,
     /// `PUT vm.resize`.
     VmResize(VmResize),
+    /// `PUT vm.snapshot`: the `destination_url`.
+    VmSnapshot(VmSnapshotConfig),
+    /// `PUT vm.restore`: the body, checked by the handler
+    /// ([`crate::snapshot::restore::RestoreRequest::from_value`]).
+    VmRestore(Box<serde_json::Value>),
     /// An upstream endpoint of something this VMM does not have.
     Unsupported(Unsupported),
     /// `PUT vm.pmem-snapshot`.
@@ -185,6 +197,8 @@ impl ApiRequest {
             ApiRequest::VmPowerButton => "Error triggering power button",
             ApiRequest::VmNmi => "Error triggering NMI",
             ApiRequest::VmResize(_) => "The VM could not be resized",
+            ApiRequest::VmSnapshot(_) => "The VM could not be snapshotted",
+            ApiRequest::VmRestore(_) => "The VM could not be restored",
             ApiRequest::Unsupported(u) => unsupported_failure(u.action),
             ApiRequest::PmemSnapshot(_) => "The pmem snapshot could not be taken",
             ApiRequest::PmemOverlay(_) => "The pmem overlay could not be created",

@@ -69,8 +69,6 @@ const UNSUPPORTED: &[(&str, &str)] = &[
     ("vm.add-device", "VFIO device passthrough"),
     ("vm.add-user-device", "vfio-user devices"),
     ("vm.add-generic-vhost-user", "vhost-user devices"),
-    ("vm.snapshot", "VM snapshots"),
-    ("vm.restore", "VM restore"),
     ("vm.coredump", "guest core dumps"),
     ("vm.send-migration", "live migration"),
     ("vm.receive-migration", "live migration"),
@@ -240,6 +238,8 @@ pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, ApiErr
         "vm.pmem-snapshot-delete" => ApiRequest::PmemSnapshotDelete(json(body)?),
         "vm.pmem-flush" => ApiRequest::PmemFlush(json(body)?),
         "vm.pmem-info" => nb(ApiRequest::PmemInfo)?,
+        "vm.snapshot" => ApiRequest::VmSnapshot(json(body)?),
+        "vm.restore" => ApiRequest::VmRestore(Box::new(json(body)?)),
         _ => return Err(not_found()),
     })
 }

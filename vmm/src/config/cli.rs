@@ -361,7 +361,7 @@ const OPTIONS: &[Opt] = &[
     opt(
         "restore",
         RestoreConfig::SYNTAX,
-        "Restore from a snapshot: parsed, then refused (not supported yet)",
+        "Restore a VM from a snapshot directory (Paused unless resume=on)",
         Kind::Value,
         Group::Other,
     ),
@@ -662,10 +662,11 @@ impl CommandLine {
     /// Refuses options that parse but whose behaviour is not supported
     /// yet (exit 1, as upstream's errors after parsing).
     pub fn check_supported(&self) -> Result<(), CliError> {
-        if self.restore.is_some() {
+        if self.restore.is_some() && self.vm.is_some() {
             return Err(CliError::Unsupported {
                 option: "restore",
-                why: "restoring a snapshot is not supported by this VMM yet",
+                why: "--restore takes the whole VM from the snapshot: it cannot be combined \
+                      with --kernel, --firmware or other VM options",
             });
         }
         if self.no_shutdown {

@@ -1460,10 +1460,17 @@ fn vmm_options_event_monitor_log_seccomp_restore() {
     assert_eq!(r.net_fds, Some(vec![("net0".to_owned(), vec![3, 4])]));
     assert_eq!(r.vfio_fds, Some(vec![("v0".to_owned(), 5)]));
     assert_eq!(r.zone_updates, [("z".to_owned(), 1)]);
-    let e = c.check_supported().unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "--restore: restoring a snapshot is not supported by this VMM yet"
+    // Alone it is a run; the restore request refuses OnDemand and the
+    // non-empty fds (snapshot::restore's tests).
+    c.check_supported().unwrap();
+    let e = cl("--kernel /k --restore source_url=file:///snap")
+        .unwrap()
+        .check_supported()
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("--restore: --restore takes the whole VM"),
+        "{e}"
     );
     assert_eq!(e.exit_code(), 1);
     let e = cl("--api-socket /s --no-shutdown")

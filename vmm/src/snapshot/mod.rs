@@ -1,8 +1,12 @@
-//! Snapshot groundwork (issue 17): the pieces a snapshot is made of, each
-//! captured from a paused VM and restored into a fresh one. The API still
-//! refuses `vm.snapshot` and `vm.restore`, and `--restore` is refused: these
-//! modules are not wired to them yet.
+//! VM snapshots (`vm.snapshot`) and restores (`vm.restore`, `--restore`),
+//! with each pmem device's content captured at the same instant
+//! (`docs/snapshots.md`):
 //!
+//! - [`capture`]: a paused machine written into a snapshot directory;
+//! - [`restore_machine`]: a machine built back from one, paused;
+//! - [`pmem_state`]: what a snapshot records of each pmem device's content
+//!   (pcow: frozen under a new overlay; raw: referenced) and how a restore
+//!   gives it back (clones, or the config's file rolled back);
 //! - [`dir`]: the snapshot directory (`config.json`, the versioned
 //!   `state.json` envelope, `memory-ranges`), written crash-safely and read
 //!   with validation (`docs/snapshot-format.md`);
@@ -22,10 +26,13 @@
 //!   `console_state.rs`, included by the device modules as child modules);
 //! - [`hex_bytes`]: byte strings as hex in the JSON.
 
+pub mod capture;
 pub mod cpu_state;
 pub mod device_state;
 pub mod dir;
 pub mod hex_bytes;
 pub mod memory;
+pub mod pmem_state;
 pub mod restore;
+pub mod restore_machine;
 pub mod vm_state;

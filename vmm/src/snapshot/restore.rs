@@ -120,6 +120,12 @@ impl RestoreRequest {
         )
     }
 
+    /// [`RestoreRequest::from_json`] of a body the API already parsed.
+    pub fn from_value(body: &Value) -> Result<RestoreRequest, RestoreError> {
+        let bytes = serde_json::to_vec(body).map_err(RestoreError::Json)?;
+        Self::from_json(&bytes)
+    }
+
     /// Checks what `--restore` parsed.
     pub fn from_cli(c: &options::RestoreConfig) -> Result<RestoreRequest, RestoreError> {
         if c.net_fds.as_ref().is_some_and(|v| !v.is_empty()) {
