@@ -1501,7 +1501,7 @@ sc19() {
     img=$(img_in s19) || { why="no image"; return 1; }
     SOCK=/tmp/ch.sock
     iters=${S19_ITERS:-5}
-    maxms=${S19_MAX_MS:-1500}
+    maxms=${S19_MAX_MS:-6000}
     nok=0 ninc=0 rc3=0
     i=1
     while [ $i -le "$iters" ]; do
