@@ -1246,6 +1246,12 @@ dir_sums() {
     shift
     { find "$d_" -type f | sort | xargs sha256sum; for f in "$@"; do sha256sum "$f"; done; } 2>&1 | sha256sum | cut -d' ' -f1
 }
+# dir_meta DIR: a digest of DIR's files' names, sizes, mtimes and inodes and
+# of the content of its JSON files: cheap enough while a VM waits (a sha256
+# of memory-ranges takes half a minute in L1 under TCG).
+dir_meta() {
+    { find "$1" -type f | sort | xargs stat -c '%n %s %Y %i'; cat "$1"/*.json; } 2>&1 | sha256sum | cut -d' ' -f1
+}
 # vm_snapshot NAME DIR: pause the VM on $SOCK, snapshot into DIR (made
 # empty), and check it is still Paused (sets why).
 vm_snapshot() {
@@ -1359,7 +1365,7 @@ s17_run() {
     # the pmem override.
     spid=$pid
     st=$t
-    h0=$(dir_sums $S17DIR)
+    h0=$(dir_meta $S17DIR)
     timeout -s KILL 60 sh "$0" __restore "source_url=file://$S17DIR,resume=on" /tmp/ch3.sock </dev/null >$L/s17-refused.log 2>&1
     rrc=$?
     echo "VMMSC-BOOT s17-refused exit=$rrc"
@@ -1372,7 +1378,7 @@ s17_run() {
         chain_out "$img" s17
         return 1
     fi
-    [ "$(dir_sums $S17DIR)" = "$h0" ] || { why="s17: the refused restore changed the snapshot directory"; vmm_end s17-source "$t" 1 GUEST-NEVER "snapshot changed"; return 1; }
+    [ "$(dir_meta $S17DIR)" = "$h0" ] || { why="s17: the refused restore changed the snapshot directory (names, sizes, mtimes or JSON)"; vmm_end s17-source "$t" 1 GUEST-NEVER "snapshot changed"; return 1; }
     api s17-info-running info
     [ "$(json_state s17-info-running)" = Running ] || { why="s17: the source is '$(json_state s17-info-running)' after the refused restore, expected Running"; vmm_end s17-source "$t" 1 GUEST-NEVER "source not running"; return 1; }
     vm_say 5 writeb
