@@ -163,11 +163,14 @@ s12_expected() {
 # restored from a snapshot has the reader (blocked in its read) and
 # /tmp/l1cmd as they were at the snapshot instant: this is how L1 tells a
 # source VM and its restored copies apart. Echo off, so that the commands do
-# not show in the serial log as if the guest had printed them.
+# not show in the serial log as if the guest had printed them; the guest
+# acknowledges each with "GUEST-CMD WORDS".
 cmd_reader() {
     stty -F /dev/ttyS0 -echo 2>/dev/null
     (while read -r w a; do
-        [ "$w" = L1CMD ] && echo "$a" >>/tmp/l1cmd
+        [ "$w" = L1CMD ] || continue
+        echo "$a" >>/tmp/l1cmd
+        echo "GUEST-CMD $a"
     done </dev/ttyS0) &
     echo "GUEST-CMD-READER pid=$!"
 }

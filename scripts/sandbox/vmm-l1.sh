@@ -1182,6 +1182,18 @@ vm_say() {
     printf 'L1CMD %s\n' "$*" >/tmp/vmin-$s_
     echo "VMMSC-SAY slot=$s_: $*"
 }
+# vm_tell NAME SLOT WORDS...: vm_say, then the guest's acknowledgement
+# (GUEST-CMD WORDS) in NAME's serial log within 30 s (while $pid lives);
+# else sets why (the line never reached the guest).
+vm_tell() {
+    tn_=$1
+    ts_=$2
+    shift 2
+    vm_say $ts_ "$@"
+    until_ 30 grep -qF "GUEST-CMD $*" $L/$tn_.log && return 0
+    why="$tn_: the guest did not acknowledge '$*' (no GUEST-CMD line) within 30 s of L1 writing it to the VMM's standard input, its serial input (VMM alive: $(alive $pid && echo yes || echo no))"
+    return 1
+}
 # vm_start NAME SLOT SOCKET PMEM_SPECS EXTRA_CMDLINE [OPTS]: the source VMM
 # (vmm_exec, -v, the API on SOCKET) in the background as $pid, started at $t.
 vm_start() {
@@ -1313,7 +1325,11 @@ s16_run() {
         why="s16-restored: fewer than 5 COUNT lines 60 s after the restore (VMM exit $vrc$(guest_said s16-restored))"
         return 1
     fi
-    vm_say 6 go
+    if ! vm_tell s16-restored 6 go; then
+        vmm_end s16-restored "$t" 0 GUEST-NEVER "no GUEST-CMD"
+        chain_out "$img" s16
+        return 1
+    fi
     vmm_end s16-restored "$t" 0 GUEST-NEVER
     chain_out "$img" s16
     counts s16-restored >$L/s16-counts
@@ -1381,7 +1397,7 @@ s17_run() {
     [ "$(dir_meta $S17DIR)" = "$h0" ] || { why="s17: the refused restore changed the snapshot directory (names, sizes, mtimes or JSON)"; vmm_end s17-source "$t" 1 GUEST-NEVER "snapshot changed"; return 1; }
     api s17-info-running info
     [ "$(json_state s17-info-running)" = Running ] || { why="s17: the source is '$(json_state s17-info-running)' after the refused restore, expected Running"; vmm_end s17-source "$t" 1 GUEST-NEVER "source not running"; return 1; }
-    vm_say 5 writeb
+    vm_tell s17-source 5 writeb || { vmm_end s17-source "$t" 1 GUEST-NEVER "no GUEST-CMD"; chain_out "$img" s17; return 1; }
     vmm_end s17-source "$t" 1 GUEST-NEVER
     chain_out "$img" s17src
     booted_ok s17-source || { chain_out "$img" s17; why="$why (the source)"; return 1; }
@@ -1397,7 +1413,7 @@ s17_run() {
         return 1
     fi
     SOCK=/tmp/ch.sock
-    vm_say 6 verify
+    vm_tell s17-restored 6 verify || { vmm_end s17-restored "$t" 0 GUEST-NEVER "no GUEST-CMD"; chain_out "$img" s17; return 1; }
     vmm_end s17-restored "$t" 0 GUEST-NEVER
     chain_out "$img" s17
     grep -q L2-BOOTED $L/s17-restored.log && { why="s17-restored: the guest booted again (L2-BOOTED) instead of going on"; return 1; }
@@ -1465,7 +1481,8 @@ s18_run() {
         until_ 60 vm_running /tmp/ch-c$k.sock || why="${why:+$why; }clone $k: not Running 60 s after the restore ($(tail -n 2 $L/s18-clone$k.log | tr '\n' ' ' | cut -c1-160))"
     done
     for k in 1 2 3; do
-        [ -n "$why" ] || vm_say $((5 + k)) clone $k
+        eval "pid=\$p$k"
+        [ -n "$why" ] || vm_tell s18-clone$k $((5 + k)) clone $k || break
     done
     w_=$why
     for k in 1 2 3; do
@@ -1548,7 +1565,12 @@ sc19() {
         vm_restore s19-restore-$i 6 /tmp/ch2.sock "source_url=file://$S19DIR,resume=on,pmem=[_pmem0@$clone]" || return 1
         until_ 60 vm_running /tmp/ch2.sock || true
         if alive $pid; then
-            vm_say 6 alive
+            if ! vm_tell s19-restore-$i 6 alive; then
+                vmm_end s19-restore-$i "$t" 0 GUEST-NEVER "no GUEST-CMD"
+                why="iteration $i (snapshot rc=$arc): $why"
+                chain_out "$img" s19
+                return 1
+            fi
             vmm_end s19-restore-$i "$t" 0 GUEST-NEVER
             booted_ok s19-restore-$i || { why="iteration $i (kill ${delay} ms into the snapshot, snapshot rc=$arc): the restored VM: $why"; chain_out "$img" s19; return 1; }
             grep -q "GUEST-S19-ALIVE tag=$i" $L/s19-restore-$i.log || { why="iteration $i: the restored guest did not answer$(guest_said s19-restore-$i)"; chain_out "$img" s19; return 1; }
@@ -1572,7 +1594,7 @@ sc19() {
     # Every iteration's file, from a fresh boot on the image.
     vm_start s19-final 5 $SOCK "file=$img" "l2.scenario=s19loop l2.tag=$i" "mem=192M" || return 1
     until_ 120 grep -qE 'GUEST-S19-READY|GUEST-FAIL' $L/s19-final.log || true
-    vm_say 5 alive
+    vm_tell s19-final 5 alive || { vmm_end s19-final "$t" 1 GUEST-NEVER "no GUEST-CMD"; chain_out "$img" s19; return 1; }
     vmm_end s19-final "$t" 1 GUEST-NEVER
     chain_out "$img" s19
     echo "VMMSC-INFO 19 iters=$iters restored=$nok refused_incomplete=$ninc checks_rc3=$rc3 chain=$(chain_of "$img" | wc -l)"
