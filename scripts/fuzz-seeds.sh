@@ -221,8 +221,15 @@ printf '%s' '{"version":2,"memory":{}}' >"$st_dir/seed-v2"
 printf '%s' '{"cpus":{"boot_vcpus":2,"max_vcpus":2},"memory":{"size":268435456},"payload":{"kernel":"/dev/null","cmdline":"console=ttyS0"},"rng":{"src":"/dev/urandom"},"pmem":[{"file":"/dev/null","id":"p0"}],"serial":{"mode":"Tty"},"console":{"mode":"Off"}}' >"$cf_dir/seed-full"
 printf '%s' '{"memory":{"size":1048576},"payload":{"kernel":"/proc/self/exe"}}' >"$cf_dir/seed-minimal"
 
+# image_open_alloc: the same images as image_open (it opens them as they
+# are and as sparse files).
+alloc_dir="$root/fuzz/corpus/image_open_alloc"
+mkdir -p "$alloc_dir"
+rm -f "$alloc_dir"/seed-*
+cp "$open_dir"/seed-* "$alloc_dir"/
+
 cd "$root"
-for t in image_open image_chain image_ops api_http options pmem_queue snapshot_state snapshot_config; do
+for t in image_open image_open_alloc image_chain image_ops api_http options pmem_queue snapshot_state snapshot_config; do
     printf '%-12s %3d seeds, %7d bytes\n' "$t" \
         "$(find "fuzz/corpus/$t" -name 'seed-*' | wc -l)" \
         "$(cat fuzz/corpus/$t/seed-* | wc -c)"

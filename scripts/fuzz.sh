@@ -24,7 +24,7 @@ die() { printf 'fuzz.sh: error: %s\n' "$*" >&2; exit 1; }
 secs=${1:-30}
 shift || true
 case "$secs" in '' | *[!0-9]*) die "SECONDS_PER_TARGET must be a number, got '$secs'" ;; esac
-all_targets=(image_open image_chain image_ops api_http options pmem_queue snapshot_state snapshot_config)
+all_targets=(image_open image_open_alloc image_chain image_ops api_http options pmem_queue snapshot_state snapshot_config)
 if [ "$#" -eq 0 ]; then targets=("${all_targets[@]}"); else targets=("$@"); fi
 sanitizer=${FUZZ_SANITIZER:-address}
 

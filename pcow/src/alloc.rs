@@ -5,7 +5,7 @@
 use std::io;
 
 use crate::error::{Error, Result};
-use crate::format::Geometry;
+use crate::format::{Geometry, MAX_CLUSTER_COUNT};
 use crate::io::Storage;
 
 /// Bytes the writer pre-allocates past the last assigned cluster.
@@ -38,9 +38,11 @@ impl Pool {
     }
 
     /// Whether `extra` more clusters keep the file under the format's
-    /// size limit (2^62 bytes).
+    /// size limit (2^62 bytes) and the committed end at most
+    /// [`MAX_CLUSTER_COUNT`], which a reader refuses to pass.
     pub(crate) fn has_room(&self, g: Geometry, extra: u64) -> bool {
-        self.next_cluster + extra < (1u64 << (62 - g.cluster_bits()))
+        let end = self.next_cluster.saturating_add(extra);
+        end < (1u64 << (62 - g.cluster_bits())) && end <= MAX_CLUSTER_COUNT
     }
 
     /// Makes sure clusters up to `end` exist in `storage`, growing it as

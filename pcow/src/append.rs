@@ -25,7 +25,7 @@ impl Image {
         if !self.alloc.has_room(self.g, extra) {
             return Err(Error::Limit {
                 path: self.path.clone(),
-                what: "file too large".into(),
+                what: "file too large (at most 2^62 bytes and 2^32 clusters)".into(),
             });
         }
         Ok(())

@@ -34,6 +34,10 @@ pub const MAX_GENERATION: u64 = 1 << 62;
 pub const MAX_LAYERS: u32 = 65536;
 /// Implementation limit on images in a chain, the top included.
 pub const MAX_CHAIN_DEPTH: usize = 32;
+/// Implementation limit on `cluster_count`: clusters are indexed with 32
+/// bits in memory (an entry's index, a segment's first entry), and the
+/// limit is checked before anything is allocated for the walk.
+pub const MAX_CLUSTER_COUNT: u64 = 1 << 32;
 
 pub(crate) const META_MAGIC: [u8; 4] = *b"PMET";
 pub(crate) const SNAP_MAGIC: [u8; 4] = *b"PSNP";
@@ -108,6 +112,8 @@ pub enum FormatError {
         file_clusters: u64,
         offset: u64,
     },
+    #[error("R5: cluster_count {value} at offset {offset} is past the limit of 2^32 clusters")]
+    ClusterCountLimit { value: u64, offset: u64 },
     #[error(
         "R5: active_layer {value} at offset {offset} (must be below layer_count {layer_count})"
     )]
@@ -199,7 +205,7 @@ impl FormatError {
             UnknownIncompatible { .. } => "R2",
             VirtualSize { .. } => "R3",
             BaseNameLength { .. } | BaseNameEncoding { .. } | BaseFormat { .. } => "R4",
-            ClusterCount { .. } | ActiveLayer { .. } => "R5",
+            ClusterCount { .. } | ClusterCountLimit { .. } | ActiveLayer { .. } => "R5",
             NoValidSlot { .. } | UnknownStructure { .. } | StructurePastEnd { .. } => "R6",
             SameGeneration { .. } => "R6",
             MetaLayer { .. } | MetaUsed { .. } => "R7",

@@ -313,6 +313,17 @@ impl Image {
             Some(b) => Some(crate::chain::open_base(path, b, &mut ctx)?),
             None => None,
         };
+        // The new image is one more in the chain: refused here, before a
+        // new file exists, not when it is opened after being made.
+        if base
+            .as_ref()
+            .is_some_and(|b| b.depth() + 1 > crate::format::MAX_CHAIN_DEPTH)
+        {
+            return Err(Error::ChainTooDeep {
+                path: path.to_owned(),
+                limit: crate::format::MAX_CHAIN_DEPTH,
+            });
+        }
         let virtual_size = match (opts.virtual_size, &base) {
             (Some(s), _) => s,
             (None, Some(b)) => b.size().next_multiple_of(g.cluster_size()),
@@ -490,6 +501,12 @@ impl Image {
     /// Whether this handle may write.
     pub fn is_writable(&self) -> bool {
         self.access.writable
+    }
+    /// Whether this handle is a writer, started or deferred
+    /// ([`OpenOptions::defer_writing`]): what checks made before the first
+    /// write (a device's size limits) ask.
+    pub fn is_writer(&self) -> bool {
+        self.access.writable || self.access.deferred
     }
     /// Whether this is a temporary overlay ([`Image::create_temporary`]):
     /// an unlinked file whose content goes when it closes.

@@ -108,7 +108,7 @@ pub(crate) fn input_open_error(path: &Path, op: &'static str, e: std::io::Error)
 
 /// Opens `path` read-only as an input: without blocking on a FIFO, and
 /// refusing anything but a regular file ([`regular_input`]).
-pub(crate) fn open_regular_input(path: &Path) -> Result<File> {
+pub fn open_regular_input(path: &Path) -> Result<File> {
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
@@ -170,17 +170,25 @@ pub fn create_new_output(path: &Path) -> Result<File> {
 /// truncated: the existing regular file, or a new one. See
 /// [`open_existing_output`] for what is refused.
 pub fn open_output(path: &Path) -> Result<File> {
+    open_output_noting(path).map(|(f, _)| f)
+}
+
+/// [`open_output`], and whether the file is new (made by this call): a
+/// caller that fails before writing it removes it again, so that a
+/// refusal leaves no file where there was none.
+pub fn open_output_noting(path: &Path) -> Result<(File, bool)> {
     if let Some(f) = open_existing_output(path)? {
-        return Ok(f);
+        return Ok((f, false));
     }
     match create_new_output(path) {
         // Another process made the file in between: judge that one.
         Err(Error::Io { source, .. }) if source.kind() == ErrorKind::AlreadyExists => {
-            open_existing_output(path)?.ok_or_else(|| {
+            let f = open_existing_output(path)?.ok_or_else(|| {
                 io_err(path, "creating")(std::io::Error::from(ErrorKind::AlreadyExists))
-            })
+            })?;
+            Ok((f, false))
         }
-        r => r,
+        r => r.map(|f| (f, true)),
     }
 }
 

@@ -5,8 +5,8 @@
 //! temporary file, which is recognisable by its name
 //! (`.NAME.<purpose>-<pid>.tmp`, beside `NAME`) and removed by the next
 //! replacement of `NAME` ([`remove_stale_temps`]) once no process holds its
-//! lock. Used by a device's freeze (VM snapshots) and by
-//! [`crate::reset_to_frozen`].
+//! lock. Used by a device's freeze (VM snapshots), by
+//! [`crate::reset_to_frozen`] and by [`crate::ops::compact`].
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -21,15 +21,22 @@ pub enum TempPurpose {
     Freeze,
     /// [`crate::reset_to_frozen`] (`.NAME.reset-PID.tmp`).
     Reset,
+    /// `pcow-img compact` (`.NAME.compact-PID.tmp`).
+    Compact,
 }
 
 impl TempPurpose {
-    const ALL: [TempPurpose; 2] = [TempPurpose::Freeze, TempPurpose::Reset];
+    const ALL: [TempPurpose; 3] = [
+        TempPurpose::Freeze,
+        TempPurpose::Reset,
+        TempPurpose::Compact,
+    ];
 
     fn word(self) -> &'static str {
         match self {
             TempPurpose::Freeze => "freeze",
             TempPurpose::Reset => "reset",
+            TempPurpose::Compact => "compact",
         }
     }
 }

@@ -8,10 +8,15 @@ use std::collections::HashSet;
 use crate::error::{Error, Result};
 use crate::format::{
     check_snap_fields, decode_slot, read_entry, DecodedSlot, FormatError, Geometry, SlotBody,
-    SlotFault, MAX_LAYERS,
+    SlotFault, MAX_CLUSTER_COUNT, MAX_LAYERS,
 };
 use crate::image::Image;
 use crate::meta::{ClusterMap, Entry, Layer, Segment, SnapshotInfo, VcnMap};
+
+/// Most entries reserved before the walk, whatever the header claims:
+/// 64 Ki entries, with their map and bitmaps about 4 MiB at 4 KiB
+/// clusters and 8 MiB at 2 MiB (the bitmaps grow with the cluster).
+const RESERVE_CAP: u64 = 1 << 16;
 
 /// The current slot of a metadata cluster and what to remember about the other.
 struct Chosen {
@@ -31,6 +36,14 @@ impl Image {
         let g = self.g;
         let h = &self.header.staged;
         let file_clusters = self.alloc.file_len >> g.cluster_bits();
+        // The limit comes first, before anything is allocated for the walk:
+        // a sparse file can be as long as it likes.
+        if h.cluster_count > MAX_CLUSTER_COUNT {
+            return Err(fail(FormatError::ClusterCountLimit {
+                value: h.cluster_count,
+                offset: self.header.offset() + 64,
+            }));
+        }
         if h.cluster_count == 0 || h.cluster_count > file_clusters {
             return Err(fail(FormatError::ClusterCount {
                 value: h.cluster_count,
@@ -54,9 +67,17 @@ impl Image {
         self.meta = ClusterMap::new(g.words());
         self.found.stale.clear();
         let words = g.words();
-        // The counter is untrusted, but entries can never outnumber the
-        // committed clusters, which were checked against the file length.
-        let expect = self.header.staged.data_cluster_count.min(cc) as usize;
+        // The counter is untrusted, and the committed clusters only bound
+        // it by the file's length, which a sparse file makes as large as it
+        // likes: reserve at most RESERVE_CAP entries up front (what a real
+        // image saves in rehashing), and let the walk grow the rest as it
+        // finds entries that are really stored.
+        let expect = self
+            .header
+            .staged
+            .data_cluster_count
+            .min(cc)
+            .min(RESERVE_CAP) as usize;
         self.meta.entries.reserve(expect);
         self.meta.bitmaps.reserve(expect * words);
         if self.header.staged.layer_count <= 1 {

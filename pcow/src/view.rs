@@ -21,7 +21,25 @@ impl Image {
     pub(crate) fn view_has_data(&self, layer: Option<u32>, off: u64, len: u64) -> bool {
         let cs = self.g.cluster_size();
         let (first, last) = (off / cs, (off + len - 1) / cs);
-        if (first..=last).any(|vcn| self.meta.view_holds(layer, vcn)) {
+        // Whichever is shorter: the clusters of the range, or the entries
+        // of the layers (a range of the whole 2^56-byte view has 2^44
+        // clusters, an image a few entries).
+        let held: usize = self
+            .meta
+            .path_of(layer)
+            .map(|l| self.meta.layers[l as usize].map.len())
+            .sum();
+        let holds = if last - first < held as u64 {
+            (first..=last).any(|vcn| self.meta.view_holds(layer, vcn))
+        } else {
+            self.meta.path_of(layer).any(|l| {
+                self.meta.layers[l as usize]
+                    .map
+                    .keys()
+                    .any(|v| (first..=last).contains(v))
+            })
+        };
+        if holds {
             return true;
         }
         self.base.as_ref().is_some_and(|b| b.has_data(off, len))

@@ -170,17 +170,25 @@ impl Image {
         // pages there, committed by the same barrier as the new size. Should
         // a write fail, the size stays staged so that the entries written so
         // far stay inside it.
-        if self
-            .base
-            .as_ref()
-            .is_some_and(|b| b.has_data(old_size, new_size - old_size))
-        {
-            let cs = self.g.cluster_size();
+        // Only the clusters where the base stores data are visited, not the
+        // whole new range (which may be most of 2^56 bytes).
+        let cs = self.g.cluster_size();
+        let held: Vec<(u64, u64)> = match self.base.as_deref() {
+            Some(b) => b
+                .view_extents(&[(old_size, new_size)], 1)
+                .into_iter()
+                .filter(|e| e.file_offset.is_some())
+                .map(|e| (e.offset, e.offset + e.length))
+                .collect(),
+            None => Vec::new(),
+        };
+        if !held.is_empty() {
             let zeros = vec![0u8; cs as usize];
-            for vcn in old_size / cs..new_size / cs {
-                let off = vcn * cs;
-                if self.base.as_ref().is_some_and(|b| b.has_data(off, cs)) {
-                    self.write_layer(0, &zeros, off)?;
+            let mut next = old_size / cs;
+            for (s, e) in held {
+                for vcn in (s / cs).max(next)..e.div_ceil(cs) {
+                    self.write_layer(0, &zeros, vcn * cs)?;
+                    next = vcn + 1;
                 }
             }
         }

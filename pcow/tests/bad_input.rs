@@ -805,7 +805,7 @@ fn base_format_out_of_range() {
 #[test]
 fn cluster_count_out_of_range() {
     let dir = tmp();
-    for v in [0u64, 2, u64::MAX] {
+    for v in [0u64, 2, 1 << 32] {
         let h = Hdr {
             cluster_count: v,
             ..Hdr::valid()
@@ -816,6 +816,22 @@ fn cluster_count_out_of_range() {
             FormatError::ClusterCount {
                 value: v,
                 file_clusters: 1,
+                offset: 64
+            }
+        );
+    }
+    // Past the limit of 2^32 clusters: refused as such before the file's
+    // length is looked at (a sparse file can be as long as it claims).
+    for v in [(1u64 << 32) + 1, u64::MAX] {
+        let h = Hdr {
+            cluster_count: v,
+            ..Hdr::valid()
+        };
+        let e = header_case(dir.path(), &format!("cc{v}.pcow"), &h, "R5", 64);
+        assert_eq!(
+            e,
+            FormatError::ClusterCountLimit {
+                value: v,
                 offset: 64
             }
         );

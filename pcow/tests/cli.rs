@@ -1476,6 +1476,60 @@ fn compact_reclaims() {
     fails(p, &["compact", "missing.pcow"], "missing.pcow");
 }
 
+/// A compact that was killed leaves its temporary file beside the image;
+/// the next compact of that image removes it (nothing holds its lock),
+/// and leaves other names alone.
+#[test]
+fn a_killed_compact_leaves_a_temporary_file_the_next_one_removes() {
+    let d = tmp();
+    let p = d.path();
+    ok(p, &["create", "-c", "4k", "a.pcow", "32M"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 3 0 24M"]);
+    ok(p, &["snapshot", "-c", "s", "a.pcow"]);
+    ok(p, &["io", "a.pcow", "-c", "write -P 4 0 24M"]);
+    ok(p, &["snapshot", "-d", "s", "a.pcow"]);
+    let leftovers = |p: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".a.pcow.compact-"))
+            .collect();
+        v.sort();
+        v
+    };
+    // Kill compacts part-way until one leaves its file (or a few tries).
+    for delay_ms in [5u64, 15, 30, 60, 120] {
+        let mut child = std::process::Command::new(BIN)
+            .args(["compact", "a.pcow"])
+            .current_dir(p)
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        let _ = child.kill();
+        let _ = child.wait();
+        if !leftovers(p).is_empty() {
+            break;
+        }
+    }
+    // And one left by a process that no longer exists, for certain.
+    std::fs::write(p.join(".a.pcow.compact-4000000.tmp"), b"half a compact").unwrap();
+    // Names that are not a temporary file of a.pcow stay.
+    for keep in [
+        ".b.pcow.compact-1.tmp",
+        ".a.pcow.compact-x.tmp",
+        "a.pcow.compact-1.tmp",
+    ] {
+        std::fs::write(p.join(keep), b"keep").unwrap();
+    }
+    ok(p, &["compact", "a.pcow"]);
+    assert_eq!(leftovers(p), [".a.pcow.compact-x.tmp"]);
+    for keep in [".b.pcow.compact-1.tmp", "a.pcow.compact-1.tmp"] {
+        assert!(p.join(keep).exists(), "{keep} was removed");
+    }
+    ok(p, &["io", "-r", "a.pcow", "-c", "read -P 4 0 24M"]);
+    ok(p, &["check", "a.pcow"]);
+}
+
 // ----- locking -----
 // In tests/cli_lock.rs: a test that holds an image open in this process
 // would lend its lock to every child the other tests fork (between fork and

@@ -706,9 +706,82 @@ impl Loaded {
     }
 }
 
+/// Where [`write_halting_pvh_kernel`]'s code is loaded and entered.
+pub const HALTING_KERNEL_ENTRY: u64 = 0x10_0000;
+
+/// Writes to `path` a minimal ELF "kernel" with a PVH entry note
+/// (`XEN_ELFNOTE_PHYS32_ENTRY`) whose code halts forever (`hlt; jmp -2`,
+/// at [`HALTING_KERNEL_ENTRY`]): enough for the VMM to build and run a
+/// whole machine through its ordinary boot path, on the host's emulating
+/// KVM too. The host tests and the snapshot benchmark boot it.
+pub fn write_halting_pvh_kernel(path: &std::path::Path) -> std::io::Result<()> {
+    const LOAD: u64 = HALTING_KERNEL_ENTRY;
+    let code = [0xf4u8, 0xeb, 0xfd];
+    // ELF64 header: little endian, version 1, executable, x86-64.
+    let mut e = vec![0x7f, b'E', b'L', b'F', 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    e.extend_from_slice(&2u16.to_le_bytes());
+    e.extend_from_slice(&0x3eu16.to_le_bytes());
+    e.extend_from_slice(&1u32.to_le_bytes());
+    // Entry, program headers at 64, no section headers.
+    for v in [LOAD, 64, 0] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    e.extend_from_slice(&0u32.to_le_bytes());
+    // Header size, program header size and count, no sections.
+    for v in [64u16, 56, 2, 64, 0, 0] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    let ph = |e: &mut Vec<u8>, ty: u32, fl: u32, off: u64, addr: u64, len: u64, al: u64| {
+        e.extend_from_slice(&ty.to_le_bytes());
+        e.extend_from_slice(&fl.to_le_bytes());
+        for v in [off, addr, addr, len, len, al] {
+            e.extend_from_slice(&v.to_le_bytes());
+        }
+    };
+    // PT_LOAD of the code (read, execute), PT_NOTE of the PVH note at 176.
+    ph(&mut e, 1, 5, 0x1000, LOAD, code.len() as u64, 0x1000);
+    ph(&mut e, 4, 4, 176, 0, 20, 4);
+    // The note: name "Xen", type 18 (PHYS32_ENTRY), the 32-bit entry.
+    for v in [4u32, 4, 18] {
+        e.extend_from_slice(&v.to_le_bytes());
+    }
+    e.extend_from_slice(b"Xen\0");
+    e.extend_from_slice(&(LOAD as u32).to_le_bytes());
+    e.resize(0x1000, 0);
+    e.extend_from_slice(&code);
+    std::fs::write(path, e)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn halting_kernel_loads_as_pvh_with_its_code_at_the_entry() {
+        use crate::boot::linux::{load, BootProtocol, BootSource};
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("halt.elf");
+        write_halting_pvh_kernel(&kernel).unwrap();
+        let ram_size = 64 << 20;
+        let mem =
+            GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), ram_size as usize)]).unwrap();
+        let info = load(
+            &mem,
+            &BootSource {
+                kernel: &kernel,
+                initramfs: None,
+                cmdline: "",
+                ram_size,
+            },
+        )
+        .unwrap();
+        assert_eq!(info.protocol, BootProtocol::Pvh);
+        assert_eq!(info.vcpu.rip, HALTING_KERNEL_ENTRY);
+        let mut code = [0u8; 3];
+        mem.read_slice(&mut code, GuestAddress(HALTING_KERNEL_ENTRY))
+            .unwrap();
+        assert_eq!(code, [0xf4, 0xeb, 0xfd]);
+    }
 
     #[test]
     fn program_assembles_and_jumps_land_on_instructions() {

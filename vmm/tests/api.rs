@@ -955,3 +955,42 @@ fn a_fifo_as_pmem_file_is_refused_without_blocking_the_api() {
     expect(sock, "GET", "vmm.ping", None, 200);
     assert!(t0.elapsed() < Duration::from_secs(10));
 }
+
+/// An image the device cannot map is a clear error at boot, never an
+/// abort: a 2^56-byte view at 4 KiB clusters (2^44 clusters) made the VMM
+/// allocate 17.6 TB for the device's per-cluster state and die. Now the
+/// boot is refused naming the device's limit, the API keeps answering,
+/// and the image is left byte for byte as it was.
+#[test]
+fn a_pmem_image_too_large_to_map_is_refused_and_the_vmm_lives() {
+    let _serial = common::serial();
+    let Some(v) = Vmm::start() else { return };
+    let sock = v.sock.clone();
+    let sock = sock.as_path();
+    halting_kernel(&v.path("vmlinux"));
+    let img = v.path("huge.pcow");
+    let opts = CreateOptions {
+        cluster_size: Some(4096),
+        virtual_size: Some(1 << 56),
+        base: None,
+    };
+    let mut i = Image::create(&img, &opts).unwrap();
+    i.write_at(b"end", (1 << 56) - 4096).unwrap();
+    i.close().unwrap();
+    let before = std::fs::read(&img).unwrap();
+    let c = v.config(json!([{"file": v.s("huge.pcow"), "id": "p0"}]));
+    expect(sock, "PUT", "vm.create", Some(c), 204);
+    refused(
+        sock,
+        "PUT",
+        "vm.boot",
+        None,
+        400,
+        "past the device's limit of 67108864 clusters",
+    );
+    expect(sock, "GET", "vmm.ping", None, 200);
+    assert!(
+        std::fs::read(&img).unwrap() == before,
+        "a refused image must be left as it was"
+    );
+}

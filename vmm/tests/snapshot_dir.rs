@@ -669,10 +669,12 @@ fn hostile_directories_are_refused_naming_file_and_fault() {
             },
         ),
         (
-            "config.json invalid: kernel gone",
+            // A kernel file that is gone is fine (the RAM holds it); a
+            // config without one is not a VM's.
+            "config.json invalid: no kernel",
             Box::new(|d| {
                 edit_json(&d.join(CONFIG_FILE), |v| {
-                    v["payload"]["kernel"] = json!("/nonexistent/vmlinux")
+                    v["payload"]["kernel"] = json!(null)
                 })
             }),
             Some(CONFIG_FILE),

@@ -328,9 +328,26 @@ fn snapshot_restore_clones_rollback_and_refusals() {
         "frozen image changed"
     );
     assert_eq!(read_image(&image, 19), b"before the snapshot");
+    // A clone needs neither the source's image nor the kernel file: the
+    // frozen image and the RAM hold everything.
+    std::fs::rename(&image, t.join("moved.pcow")).unwrap();
+    std::fs::remove_file(&kernel).unwrap();
+    let clone3 = t.join("clone3.pcow");
+    let e = Vmm::start(t, "e", &[]);
+    e.ok(
+        "vm.restore",
+        Some(json!({"source_url": url(&snap), "resume": true, "pmem": [
+            {"id": "_pmem0", "file": clone3}, {"id": "r", "file": raw1}
+        ]})),
+    );
+    assert_eq!(e.info()["state"], "Running");
+    e.ok("vm.shutdown", None);
+    drop(e);
+    std::fs::rename(t.join("moved.pcow"), &image).unwrap();
+
     // The rolled-back image (shut down) and the frozen one are clean; the
     // clones' VMMs were killed: leaks at most.
-    for f in [&image, &frozen] {
+    for f in [&image, &frozen, &clone3] {
         let report = pcow::check::check(f, None, false).unwrap();
         assert!(report.is_clean(), "{}: {report:?}", f.display());
     }
@@ -478,9 +495,22 @@ fn hostile_snapshot_directories_are_refused_and_change_nothing() {
         "changed since the snapshot",
     );
     assert_eq!(files(t), before);
-    // The frozen image replaced: refused too.
+    // The frozen image missing, then replaced: refused too.
     let state = state_json(&snap);
     let frozen = PathBuf::from(state["pmem"][0]["frozen"].as_str().unwrap());
+    let aside = t.join("aside");
+    std::fs::rename(&frozen, &aside).unwrap();
+    let before = files(t);
+    v.refused(
+        "vm.restore",
+        json!({"source_url": url(&snap), "pmem": [
+            {"id": "_pmem0", "file": clone}, {"id": "_pmem1", "file": raw}
+        ]}),
+        500,
+        "the frozen image",
+    );
+    assert_eq!(files(t), before);
+    std::fs::rename(&aside, &frozen).unwrap();
     let saved = std::fs::read(&frozen).unwrap();
     std::fs::remove_file(&frozen).unwrap();
     std::fs::write(&frozen, &saved).unwrap();

@@ -34,6 +34,18 @@ pub enum RegionError {
     PageSize(u64),
     #[error("virtual size {0} does not fit the address space")]
     TooLarge(u64),
+    #[error("the image has {clusters} clusters of {cluster_size} bytes, past the device's limit of {limit} clusters (larger clusters map a larger image)")]
+    TooManyClusters {
+        clusters: u64,
+        cluster_size: u64,
+        limit: u64,
+    },
+    #[error("no memory for the state of {clusters} clusters")]
+    StateMemory {
+        clusters: u64,
+        #[source]
+        source: std::collections::TryReserveError,
+    },
     #[error("reserving {len} bytes of address space")]
     Reserve {
         len: u64,
@@ -96,24 +108,45 @@ pub struct RegionOptions {
 /// it), and 512 KiB of page tables.
 pub const DEFAULT_ZERO_BUDGET: u64 = 256 << 20;
 
-/// Builds the region of `image` (opened read-write) with its pool.
+/// Most clusters a region maps: the device keeps a byte of state per
+/// cluster of the view ([`Clusters`]) and plans every one at open, so this
+/// bounds both (64 MiB, and the plan's walk) whatever size an image
+/// declares: 256 GiB at 4 KiB clusters, 4 TiB at 64 KiB, 128 TiB at 2 MiB.
+pub const MAX_REGION_CLUSTERS: u64 = 1 << 26;
+
+/// Builds the region of `image` (opened read-write, or deferred: then
+/// nothing is written to it before the checks of its size passed) with
+/// its pool.
 pub(crate) fn build(
     image: Image,
     opts: &RegionOptions,
     pool_opts: &PoolOptions,
 ) -> Result<RegionState, RegionError> {
-    if !image.is_writable() {
+    if !image.is_writer() {
         return Err(RegionError::ReadOnly);
     }
-    let mut image = LiveImage::new(image)?;
     // SAFETY: sysconf only reads its integer argument.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if page != PAGE_SIZE as libc::c_long {
         return Err(RegionError::PageSize(page as u64));
     }
+    // What the size costs is checked before the image is written to (the
+    // writer's DIRTY flag) or anything is planned: the state of every
+    // cluster and the address space of the whole view.
     let size = image.virtual_size();
     let len = usize::try_from(size).map_err(|_| RegionError::TooLarge(size))?;
     let cs = image.cluster_size();
+    let clusters = size / cs;
+    if clusters > MAX_REGION_CLUSTERS {
+        return Err(RegionError::TooManyClusters {
+            clusters,
+            cluster_size: cs,
+            limit: MAX_REGION_CLUSTERS,
+        });
+    }
+    let mapping =
+        Reservation::new(len).map_err(|source| RegionError::Reserve { len: size, source })?;
+    let mut image = LiveImage::new(image)?;
     let pool_clusters = opts
         .pool_clusters
         .unwrap_or((default_pool_bytes(size) / cs).max(1));
@@ -121,7 +154,8 @@ pub(crate) fn build(
     // Every active cluster whole, so each maps shared as one piece.
     image.complete_active_clusters()?;
     image.flush()?;
-    let Plan { runs, clusters } = plan(&image);
+    let Plan { runs, clusters } =
+        plan(&image).map_err(|source| RegionError::StateMemory { clusters, source })?;
 
     let max = match opts.max_map_count {
         Some(m) => m,
@@ -167,8 +201,6 @@ pub(crate) fn build(
         }
     }
 
-    let mapping =
-        Reservation::new(len).map_err(|source| RegionError::Reserve { len: size, source })?;
     let uffd = Uffd::for_holes(!opts.pagemap_read_fallback)?;
     for r in &runs {
         match r.kind {

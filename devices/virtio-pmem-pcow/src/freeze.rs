@@ -46,7 +46,7 @@ use pcow::{
 use crate::barrier::{barrier_locked, BarrierError, BarrierStats};
 use crate::clusters::FileRun;
 use crate::health::Failure;
-use crate::overlay::{shared_runs, top_file, OverlayError};
+use crate::overlay::{release_switch, resume_on, shared_runs, top_file, OverlayError};
 use crate::quiesce::{hold, Quiesce};
 use crate::state::{NoImage, RegionState, Shared, Writable};
 
@@ -542,21 +542,9 @@ fn recover(
         plan.frozen.display(),
         error_report::chain(&cause)
     );
-    if let Err(e) = lock_handle.unlock() {
-        log::warn!("{}: releasing the lock: {e}", plan.top.display());
-    }
-    if let Some(img) = new {
-        // The remapped ranges keep the base's description, and its shared
-        // lock, alive: release it or X could not be locked again.
-        if let Some(f) = img.chain_files().get(1) {
-            if let Err(e) = f.unlock() {
-                log::warn!("{}: releasing the base's lock: {e}", plan.frozen.display());
-            }
-        }
-        if let Err(e) = img.close() {
-            log::warn!("{}: closing the overlay: {e}", plan.temp.display());
-        }
-    }
+    // The remapped ranges keep the base's description, and its shared
+    // lock, alive: released, or X could not be locked again.
+    release_switch(lock_handle, &plan.top, new, &plan.temp);
     undo_files(plan, old_id, done);
     let reopened = Image::open(&plan.top, OpenOptions::read_write())
         .and_then(LiveImage::new)
@@ -573,7 +561,7 @@ fn recover(
                 }))
             }
         });
-    let mut img = match reopened {
+    let img = match reopened {
         Ok(img) => img,
         Err(why) => {
             log::error!("{}", error_report::chain(why.error()));
@@ -581,25 +569,6 @@ fn recover(
             return FreezeError::Reopen(why);
         }
     };
-    st.pool.configure(&mut img);
-    match top_file(&img).map(|f| f.as_raw_fd()) {
-        Ok(fd) => {
-            for r in remapped {
-                if let Err(e) = st.view.map_clusters(r.vcn, r.end, fd, r.offset, true) {
-                    log::warn!(
-                        "clusters {}..{}: left private after the failed freeze: {e}",
-                        r.vcn,
-                        r.end
-                    );
-                }
-            }
-        }
-        Err(e) => log::warn!("no top file after reopening: {e}"),
-    }
-    if let Err(e) = st.pool.start(&img) {
-        log::warn!("no pre-allocation worker ({e}), the pool refills inline");
-    }
-    st.pool.request(&img);
-    st.image = Writable::Open(Box::new(img));
+    resume_on(st, img, remapped, "freeze");
     cause
 }

@@ -91,7 +91,7 @@ pub mod uffd;
 mod view;
 
 pub use barrier::{BarrierError, BarrierStats};
-pub use build::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET};
+pub use build::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET, MAX_REGION_CLUSTERS};
 pub use device::{
     DeviceError, FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE,
     QUEUE_SIZE,

@@ -398,25 +398,9 @@ fn recover(
         plan.file.display(),
         error_report::chain(&cause)
     );
-    // Our own locks would stop the reopen: the old description's (if the
-    // failure came before its release), and the overlay's shared lock on
-    // its base, whose description the remapped ranges keep alive.
-    if let Err(e) = lock_handle.unlock() {
-        log::warn!("{}: releasing the lock: {e}", plan.base_path.display());
-    }
-    if let Some(img) = new {
-        if let Some(f) = img.chain_files().get(1) {
-            if let Err(e) = f.unlock() {
-                log::warn!(
-                    "{}: releasing the base's lock: {e}",
-                    plan.base_path.display()
-                );
-            }
-        }
-        if let Err(e) = img.close() {
-            log::warn!("{}: closing the overlay: {e}", plan.file.display());
-        }
-    }
+    // Our own locks would stop the reopen (the old description's, if the
+    // failure came before its release).
+    release_switch(lock_handle, &plan.base_path, new, &plan.file);
     if created {
         match std::fs::remove_file(&plan.file) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => {
@@ -425,30 +409,68 @@ fn recover(
             _ => {}
         }
     }
-    let mut img =
-        match Image::open(&plan.base_path, OpenOptions::read_write()).and_then(LiveImage::new) {
-            Ok(img) => img,
-            Err(source) => {
-                let why = Failure::new(ReopenError {
-                    path: plan.base_path.clone(),
-                    cause: Failure::new(cause),
-                    source,
-                });
-                log::error!("{}", error_report::chain(&why));
-                st.image = Writable::Detached(why.clone());
-                return OverlayError::Reopen(why);
+    let img = match Image::open(&plan.base_path, OpenOptions::read_write()).and_then(LiveImage::new)
+    {
+        Ok(img) => img,
+        Err(source) => {
+            let why = Failure::new(ReopenError {
+                path: plan.base_path.clone(),
+                cause: Failure::new(cause),
+                source,
+            });
+            log::error!("{}", error_report::chain(&why));
+            st.image = Writable::Detached(why.clone());
+            return OverlayError::Reopen(why);
+        }
+    };
+    resume_on(st, img, remapped, "overlay");
+    cause
+}
+
+/// After a failed switch (a live overlay, a freeze): releases the
+/// device's own locks that would stop the old image's reopen (the old
+/// description's `lock_handle`, and the new overlay's shared lock on its
+/// base, whose description the remapped ranges keep alive) and closes the
+/// new overlay, if it was opened.
+pub(crate) fn release_switch(
+    lock_handle: &std::fs::File,
+    old: &Path,
+    new: Option<LiveImage>,
+    new_file: &Path,
+) {
+    if let Err(e) = lock_handle.unlock() {
+        log::warn!("{}: releasing the lock: {e}", old.display());
+    }
+    if let Some(img) = new {
+        if let Some(f) = img.chain_files().get(1) {
+            if let Err(e) = f.unlock() {
+                log::warn!("{}: releasing the base's lock: {e}", old.display());
             }
-        };
+        }
+        if let Err(e) = img.close() {
+            log::warn!("{}: closing the overlay: {e}", new_file.display());
+        }
+    }
+}
+
+/// The device goes on with `img`, its old image reopened after a failed
+/// `what` (overlay, freeze): same file, same offsets, so what was
+/// remapped is mapped shared again (a range that fails stays private over
+/// the same bytes, and the barrier copies its written pages back into the
+/// same cluster); the pre-allocation worker restarts.
+pub(crate) fn resume_on(
+    st: &mut RegionState,
+    mut img: LiveImage,
+    remapped: &[FileRun],
+    what: &str,
+) {
     st.pool.configure(&mut img);
-    // Same file, same offsets: map shared again what was remapped. A range
-    // that fails stays private over the same bytes (the barrier copies its
-    // written pages back into the same cluster).
     match top_file(&img).map(|f| f.as_raw_fd()) {
         Ok(fd) => {
             for r in remapped {
                 if let Err(e) = st.view.map_clusters(r.vcn, r.end, fd, r.offset, true) {
                     log::warn!(
-                        "clusters {}..{}: left private after the failed overlay: {e}",
+                        "clusters {}..{}: left private after the failed {what}: {e}",
                         r.vcn,
                         r.end
                     );
@@ -462,5 +484,4 @@ fn recover(
     }
     st.pool.request(&img);
     st.image = Writable::Open(Box::new(img));
-    cause
 }

@@ -14,6 +14,8 @@
 //! Adjacent clusters contiguous in the same file with the same mode share
 //! one mapping.
 
+use std::collections::TryReserveError;
+
 use pcow::{ClusterSource, Image, PageLocation};
 
 use crate::clusters::{push_run, Adjoin, ClusterState};
@@ -77,12 +79,15 @@ pub(crate) struct Plan {
     pub clusters: Vec<ClusterState>,
 }
 
-/// The mappings of a whole image view and the state of every cluster.
-pub(crate) fn plan(image: &Image) -> Plan {
+/// The mappings of a whole image view and the state of every cluster; an
+/// error when there is no memory for the states (the caller bounds their
+/// number, see [`crate::build::MAX_REGION_CLUSTERS`]).
+pub(crate) fn plan(image: &Image) -> Result<Plan, TryReserveError> {
     let cs = image.cluster_size();
     let n = image.virtual_size() / cs;
     let mut runs = Vec::new();
-    let mut states = Vec::with_capacity(n as usize);
+    let mut states = Vec::new();
+    states.try_reserve_exact(usize::try_from(n).unwrap_or(usize::MAX))?;
     for vcn in 0..n {
         let at = vcn * cs;
         let (state, kind) = match image.cluster_source(vcn) {
@@ -136,10 +141,10 @@ pub(crate) fn plan(image: &Image) -> Plan {
             },
         );
     }
-    Plan {
+    Ok(Plan {
         runs,
         clusters: states,
-    }
+    })
 }
 
 #[cfg(test)]

@@ -109,7 +109,8 @@ impl PcowRegion {
         opts: &RegionOptions,
         pool: &PoolOptions,
     ) -> Result<(PcowRegion, Monitor), RegionError> {
-        let image = Image::open(path, OpenOptions::read_write())?;
+        // Deferred: a region refused for its size leaves the file as it was.
+        let image = Image::open(path, OpenOptions::read_write_deferred())?;
         Self::from_image_with(image, quiesce, opts, pool)
     }
 

@@ -3,14 +3,14 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use crate::error::io_err;
-use crate::error::Result;
+use crate::error::{io_err, Error, Result};
 use crate::format::PAGE_SIZE;
 use crate::image::{CreateOptions, Image, OpenOptions};
 use crate::lock::lock_file;
 use crate::meta::SnapshotInfo;
+use crate::replace::{temp_name, TempPurpose};
 
 /// What a compaction did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -105,7 +105,17 @@ pub fn compact(path: &Path) -> Result<CompactReport> {
         lock_file(f, path, true)?;
     }
     let old_size = src.alloc.file_len;
-    let tmp = tmp_path(path);
+    // A compact, freeze or reset of this image that was killed left its
+    // temporary file: nothing holds its lock any more.
+    crate::replace::remove_stale_temps(path).map_err(io_err(
+        path,
+        "removing stale temporary files beside the image",
+    ))?;
+    let tmp = temp_name(path, TempPurpose::Compact).ok_or_else(|| Error::Io {
+        path: path.to_owned(),
+        op: "naming the temporary file",
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
     let result = write_compacted(&src, &tmp);
     let (layers_after, clusters_after) = match result {
         Ok(x) => x,
@@ -131,15 +141,6 @@ pub fn compact(path: &Path) -> Result<CompactReport> {
         clusters_before: src.meta.entries.len() as u64,
         clusters_after,
     })
-}
-
-fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = path
-        .file_name()
-        .map(|n| n.to_os_string())
-        .unwrap_or_default();
-    name.push(format!(".compact-{}.tmp", std::process::id()));
-    path.with_file_name(name)
 }
 
 fn write_compacted(src: &Image, tmp: &Path) -> Result<(u32, u64)> {

@@ -716,8 +716,15 @@ struct RawOutput {
 impl RawOutput {
     /// A new file of `size` bytes, sparse (replacing any file at `path`).
     fn create(path: &Path, size: u64) -> Result<RawOutput> {
-        let file = crate::output_file::open_output(path)?;
-        crate::output_file::reset_len(&file, path, size)?;
+        let (file, created) = crate::output_file::open_output_noting(path)?;
+        if let Err(e) = crate::output_file::reset_len(&file, path, size) {
+            // A size the file system cannot hold: no file is left where
+            // there was none (an existing one is as it was).
+            if created {
+                let _ = std::fs::remove_file(path);
+            }
+            return Err(e);
+        }
         Ok(RawOutput {
             path: path.to_owned(),
             file,

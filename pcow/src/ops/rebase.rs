@@ -7,6 +7,7 @@ use crate::chain::{check_base_name, open_base, Backing, ChainCtx};
 use crate::error::{Error, Result};
 use crate::format::{BaseRef, PAGE_SIZE};
 use crate::image::{Image, OpenOptions};
+use crate::ops::source::{extent_data_ranges, file_data_ranges};
 
 /// Changes the base of the image at `path` to `new_base` (`None`:
 /// flatten). Safe mode first copies into layer 0 every page that layer 0
@@ -69,13 +70,16 @@ fn copy_differences(img: &mut Image, new: Option<&Backing>) -> Result<()> {
     let ps = PAGE_SIZE as usize;
     let mut old_buf = vec![0u8; cs as usize];
     let mut new_buf = vec![0u8; cs as usize];
-    for vcn in 0..img.virtual_size() / cs {
+    // Only clusters where the old or the new base stores data can differ
+    // (everywhere else both read as zeros): the walk costs what the bases
+    // store, not the virtual size.
+    let mut candidates = Vec::new();
+    for b in img.base.as_deref().into_iter().chain(new) {
+        candidates.extend(data_clusters(b, img.virtual_size(), cs)?);
+    }
+    candidates.sort_unstable();
+    for vcn in merge_runs(candidates).into_iter().flat_map(|(s, e)| s..e) {
         let off = vcn * cs;
-        let old_has = img.base.as_ref().is_some_and(|b| b.has_data(off, cs));
-        let new_has = new.is_some_and(|b| b.has_data(off, cs));
-        if !old_has && !new_has {
-            continue;
-        }
         let held: Vec<bool> = match img.meta.layers[0].map.get(&vcn) {
             Some(&e) => (0..img.geometry().pages())
                 .map(|p| img.meta.bit(e, p))
@@ -98,4 +102,30 @@ fn copy_differences(img: &mut Image, new: Option<&Backing>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs `[first, end)` of the virtual clusters below `size` where `b`
+/// stores data: a pcow chain's data extents, a raw file's data ranges
+/// (`SEEK_DATA`, so a sparse raw base costs what it stores).
+fn data_clusters(b: &Backing, size: u64, cs: u64) -> Result<Vec<(u64, u64)>> {
+    let ranges = match b {
+        Backing::Raw(r) => file_data_ranges(r.file(), r.len().min(size), b.path())?,
+        Backing::Pcow(_) => extent_data_ranges(&b.view_extents(&[(0, size.min(b.size()))], 1)),
+    };
+    Ok(ranges
+        .into_iter()
+        .map(|(s, e)| (s / cs, e.div_ceil(cs)))
+        .collect())
+}
+
+/// Sorted runs, overlapping or adjacent ones merged.
+fn merge_runs(sorted: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (s, e) in sorted {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
 }

@@ -2,8 +2,11 @@
 //! image shorthands. Each test binary uses part of them.
 #![allow(dead_code)]
 
+pub mod hostile;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
 
@@ -99,4 +102,76 @@ pub fn read(img: &Image, offset: u64, len: usize) -> Vec<u8> {
     let mut buf = vec![0u8; len];
     img.read_at(&mut buf, offset).unwrap();
     buf
+}
+
+/// A run of `pcow-img` with what it cost.
+#[derive(Debug)]
+pub struct Measured {
+    /// Exit code, `None` when a signal ended it (an abort, or the kill
+    /// at the time limit).
+    pub code: Option<i32>,
+    /// The signal that ended it.
+    pub signal: Option<i32>,
+    /// Wall time from spawn to exit.
+    pub wall: Duration,
+    /// Peak resident set size in bytes (`ru_maxrss` of this child alone,
+    /// from `wait4`).
+    pub max_rss: u64,
+    pub stderr: String,
+}
+
+/// Runs `pcow-img ARGS` in `dir` and measures its wall time and peak
+/// RSS; kills it when it runs past `kill_after`.
+// The child is reaped by `wait4` (which also gives its own rusage), not by
+// `Child::wait`, which clippy cannot see.
+#[allow(clippy::zombie_processes)]
+pub fn run_measured(dir: &Path, args: &[&str], kill_after: Duration) -> Measured {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning pcow-img");
+    let start = Instant::now();
+    let mut err = child.stderr.take().expect("stderr piped");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut err, &mut s);
+        s
+    });
+    let pid = child.id() as libc::pid_t;
+    let mut killed = false;
+    let (status, usage) = loop {
+        let mut status = 0;
+        // SAFETY: an all-zero `rusage` is a valid value of this plain C
+        // struct of integers; wait4 overwrites it.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `pid` is our own child, not reaped yet (only this loop
+        // reaps it, and `child` is never waited on); `status` and `usage`
+        // are live, writable locals of the types wait4 expects.
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        if r == pid {
+            break (status, usage);
+        }
+        assert_eq!(r, 0, "wait4: {}", std::io::Error::last_os_error());
+        if !killed && start.elapsed() > kill_after {
+            // Not reaped yet, so the pid is still this child's.
+            let _ = child.kill();
+            killed = true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let wall = start.elapsed();
+    let stderr = reader.join().unwrap_or_default();
+    let exited = libc::WIFEXITED(status);
+    Measured {
+        code: exited.then(|| libc::WEXITSTATUS(status)),
+        signal: libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status)),
+        wall,
+        max_rss: usage.ru_maxrss as u64 * 1024,
+        stderr,
+    }
 }

@@ -4,7 +4,7 @@
 //! duplicate or a busy image, 500 for the wrong state and the host's own
 //! failures).
 
-use virtio_pmem_pcow::{BarrierError, OverlayError};
+use virtio_pmem_pcow::{BarrierError, OverlayError, RegionError};
 
 use super::ApiError;
 use crate::chardev::ChardevError;
@@ -96,6 +96,15 @@ fn build_status(e: &MachineError) -> u16 {
         MachineError::Boot(b) if b.is_config_error() => 400,
         MachineError::Serial(SerialError::Interrupt(_)) => 500,
         MachineError::Serial(_) | MachineError::Rng(_) => 400,
+        // An image larger than the device maps: the file the config names.
+        MachineError::PcowRegion { source, .. } | MachineError::PcowDiscard { source, .. }
+            if matches!(
+                **source,
+                RegionError::TooManyClusters { .. } | RegionError::TooLarge(_)
+            ) =>
+        {
+            400
+        }
         _ => 500,
     }
 }

@@ -359,14 +359,53 @@ fn check_payload_file(what: &'static str, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Which files a validation looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FileChecks {
+    /// The kernel, the initramfs and every pmem file.
+    All,
+    /// The pmem files only: a restored VM's RAM holds its kernel already.
+    Pmem,
+    /// None: a snapshot's config, before the restore decides which pmem
+    /// files the VM gets.
+    None,
+}
+
 impl VmConfig {
     /// Checks the whole config (the rules are in this module's docs) and
     /// assigns `_pmemN` ids to pmem devices without one. On error the
     /// config is unchanged. Returns what it learnt about each pmem device.
     pub fn validate(&mut self) -> Result<Vec<ValidatedPmem>> {
+        self.validate_checking(FileChecks::All)
+    }
+
+    /// [`VmConfig::validate`] of a snapshot's config: every rule but those
+    /// about files (the pmem files a restored VM gets are decided later,
+    /// its kernel is in its RAM). Assigns the pmem ids.
+    pub fn validate_snapshot_config(&mut self) -> Result<()> {
+        self.validate_checking(FileChecks::None).map(|_| ())
+    }
+
+    /// [`VmConfig::validate`] of a restored VM's config: its pmem files
+    /// (clones, rolled-back images) are checked, its kernel and initramfs
+    /// are not read (its RAM holds them; a reboot checks them again).
+    pub fn validate_restored(&mut self) -> Result<Vec<ValidatedPmem>> {
+        self.validate_checking(FileChecks::Pmem)
+    }
+
+    fn validate_checking(&mut self, files: FileChecks) -> Result<Vec<ValidatedPmem>> {
         self.check_unsupported()?;
         self.check_cpus_memory()?;
-        self.check_payload()?;
+        if files == FileChecks::All {
+            self.check_payload()?;
+        } else if self
+            .payload
+            .as_ref()
+            .and_then(|p| p.kernel.as_ref())
+            .is_none()
+        {
+            return Err(ValidationError::KernelMissing);
+        }
         check_console("serial", &self.serial, false)?;
         check_console("console", &self.console, true)?;
         if self.serial.mode == ConsoleOutputMode::Tty && self.console.mode == ConsoleOutputMode::Tty
@@ -386,6 +425,9 @@ impl VmConfig {
         let mut out = Vec::with_capacity(ids.len());
         let mut seen: Vec<((u64, u64), String)> = Vec::new();
         for (cfg, id) in self.pmem().iter().zip(&ids) {
+            if files == FileChecks::None {
+                continue;
+            }
             let (v, key) = check_pmem(cfg, id)?;
             if let Some((_, other)) = seen.iter().find(|(k, _)| *k == key) {
                 return Err(ValidationError::PmemSameFile {

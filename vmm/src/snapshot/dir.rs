@@ -48,7 +48,7 @@ use serde_json::Value;
 use vm_memory::GuestMemoryMmap;
 
 use super::memory::{self, LayoutError, MemoryError, MemoryLayout, MemoryRestoreMode};
-use crate::config::{ValidatedPmem, ValidationError, VmConfig};
+use crate::config::{ValidationError, VmConfig};
 
 /// The VM's config, upstream's shape.
 pub const CONFIG_FILE: &str = "config.json";
@@ -161,12 +161,15 @@ pub enum ConfigError {
 
 /// Parses a `config.json` as `vm.create` parses its body (upstream's
 /// shape; unknown fields are logged and ignored, as upstream does) and
-/// validates it. Returns the config (pmem ids assigned) and what
-/// validation learnt about each pmem device.
-pub fn parse_config(bytes: &[u8]) -> Result<(VmConfig, Vec<ValidatedPmem>), ConfigError> {
+/// validates every rule that is not about files (the kernel is in the
+/// snapshot's RAM; which pmem files a restored VM gets is the restore's
+/// choice). Returns the config with its pmem ids assigned.
+pub fn parse_config(bytes: &[u8]) -> Result<VmConfig, ConfigError> {
     let mut config: VmConfig = crate::config::from_json(bytes).map_err(ConfigError::Json)?;
-    let pmem = config.validate().map_err(ConfigError::Invalid)?;
-    Ok((config, pmem))
+    config
+        .validate_snapshot_config()
+        .map_err(ConfigError::Invalid)?;
+    Ok(config)
 }
 
 /// Errors of writing or reading a snapshot directory; each names the file.
@@ -344,11 +347,10 @@ impl SnapshotDir {
 
         let config_path = path.join(CONFIG_FILE);
         let config_bytes = read_limited(&config_path, MAX_CONFIG_LEN)?;
-        let (config, pmem) =
-            parse_config(&config_bytes).map_err(|source| SnapshotError::Config {
-                file: config_path.clone(),
-                source,
-            })?;
+        let config = parse_config(&config_bytes).map_err(|source| SnapshotError::Config {
+            file: config_path.clone(),
+            source,
+        })?;
         if config.memory.size != layout_size {
             return Err(SnapshotError::RamMismatch {
                 file: config_path,
@@ -376,7 +378,6 @@ impl SnapshotDir {
         Ok(Snapshot {
             path: path.to_owned(),
             config,
-            pmem,
             state,
             memory,
         })
@@ -442,7 +443,6 @@ fn read_limited(file: &Path, max: u64) -> Result<Vec<u8>, SnapshotError> {
 pub struct Snapshot {
     path: PathBuf,
     config: VmConfig,
-    pmem: Vec<ValidatedPmem>,
     state: StateEnvelope,
     memory: File,
 }
@@ -456,11 +456,6 @@ impl Snapshot {
     /// The VM's config (validated, pmem ids assigned).
     pub fn config(&self) -> &VmConfig {
         &self.config
-    }
-
-    /// What validation learnt about each pmem device of the config.
-    pub fn validated_pmem(&self) -> &[ValidatedPmem] {
-        &self.pmem
     }
 
     /// The state envelope.

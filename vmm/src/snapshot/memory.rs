@@ -147,6 +147,13 @@ impl MemoryLayout {
 #[allow(missing_docs)] // the messages document the variants
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
+    #[error("prefaulting the RAM range at guest {gpa:#x} size {size:#x}")]
+    Prefault {
+        gpa: u64,
+        size: u64,
+        #[source]
+        source: io::Error,
+    },
     #[error("invalid RAM layout")]
     Layout(#[source] LayoutError),
     #[error("memory restore mode OnDemand (userfaultfd paging) is not supported by this VMM; use Copy or CopyOnWrite")]
@@ -422,16 +429,53 @@ fn restore_cow(
         let mapping = MmapRegionBuilder::new(range_len(&r)?)
             .with_file_offset(FileOffset::from_arc(shared.clone(), file_offset))
             .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE | populate(prefault))
+            // Not MAP_POPULATE: on a private writable mapping it copies
+            // every page (as a write fault would), and clones would share
+            // nothing. Prefaulting maps the page cache for reading.
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
             .build()
             .map_err(|source| MemoryError::Map {
                 gpa: r.gpa,
                 size: r.size,
                 source,
             })?;
+        if prefault {
+            populate_read(&mapping).map_err(|source| MemoryError::Prefault {
+                gpa: r.gpa,
+                size: r.size,
+                source,
+            })?;
+        }
         regions.push(map_region(mapping, index, &r)?);
     }
     GuestMemoryMmap::from_regions(regions).map_err(MemoryError::Collection)
+}
+
+/// Maps every page of a private file mapping from the page cache for
+/// reading (`MADV_POPULATE_READ`), without copying any: a later guest
+/// write still copies its page, and until then every VM mapping the file
+/// shares it. Kernels before 5.14 lack the advice: each page is read once
+/// instead, which maps it the same way.
+fn populate_read(mapping: &vm_memory::MmapRegion) -> io::Result<()> {
+    let (ptr, len) = (mapping.as_ptr(), mapping.size());
+    // SAFETY: the range is exactly this mapping, which is mapped and
+    // readable; the advice only populates page tables (it never changes
+    // the contents).
+    let rc = unsafe { libc::madvise(ptr.cast(), len, libc::MADV_POPULATE_READ) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EINVAL) {
+        return Err(e);
+    }
+    for off in (0..len).step_by(PAGE as usize) {
+        // SAFETY: `off` is below the mapping's length, so the byte is
+        // inside the readable mapping; a volatile read keeps it from being
+        // optimized away.
+        unsafe { std::ptr::read_volatile(ptr.add(off)) };
+    }
+    Ok(())
 }
 
 /// Range `index` of the layout as a guest region over `mapping`.
@@ -537,6 +581,25 @@ mod tests {
         assert_eq!(resident_pages(&m), pages);
         let m = restore(&f, &l, MemoryRestoreMode::CopyOnWrite, true).unwrap();
         assert_eq!(resident_pages(&m), pages);
+    }
+
+    /// A prefaulted CopyOnWrite restore maps the file's pages without
+    /// copying them: a change to the file shows through the mapping (it
+    /// would not through a copied page), and a guest write still copies.
+    #[test]
+    fn cow_prefault_shares_the_page_cache() {
+        let l = layout(&[(0, 1 << 20)]);
+        let f = tempfile::tempfile().unwrap();
+        f.write_all_at(&vec![1u8; 1 << 20], 0).unwrap();
+        let m = restore(&f, &l, MemoryRestoreMode::CopyOnWrite, true).unwrap();
+        f.write_all_at(&[2u8; 8], 4096).unwrap();
+        let mut b = [0u8; 8];
+        m.read_slice(&mut b, GuestAddress(4096)).unwrap();
+        assert_eq!(b, [2u8; 8], "the page was copied at the restore");
+        m.write_slice(&[3u8; 8], GuestAddress(8192)).unwrap();
+        let mut file_bytes = [0u8; 8];
+        f.read_exact_at(&mut file_bytes, 8192).unwrap();
+        assert_eq!(file_bytes, [1u8; 8], "a guest write reached the file");
     }
 
     #[test]

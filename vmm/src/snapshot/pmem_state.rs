@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{PmemFormat, ValidatedPmem};
+use crate::config::PmemConfig;
 use crate::machine::Pmem;
 use crate::snapshot::restore::PmemClone;
 
@@ -226,12 +226,6 @@ pub enum PlanError {
     UnknownRecord { id: String },
     #[error("`pmem`: {id} is not a pmem device of the snapshot")]
     UnknownClone { id: String },
-    #[error("pmem {id}: the record says {recorded:?}, the config says {config:?}")]
-    KindMismatch {
-        id: String,
-        recorded: PmemKind,
-        config: PmemFormat,
-    },
     #[error("pmem {id}: the pcow record names no frozen image")]
     NoFrozen { id: String },
     #[error(
@@ -326,43 +320,34 @@ pub struct PmemPlan {
 /// clones; reads every file it needs but changes none.
 pub fn plan(
     records: &[serde_json::Value],
-    devices: &[ValidatedPmem],
+    devices: &[PmemConfig],
     clones: &[PmemClone],
 ) -> Result<PmemPlan, PlanError> {
+    // The snapshot's config has its ids assigned.
+    let ids: Vec<&str> = devices.iter().filter_map(|d| d.id.as_deref()).collect();
     let records: Vec<PmemRecord> = records
         .iter()
         .map(|r| serde_json::from_value(r.clone()))
         .collect::<Result<_, _>>()
         .map_err(PlanError::Records)?;
     for r in &records {
-        if !devices.iter().any(|d| d.id == r.id) {
+        if !ids.contains(&r.id.as_str()) {
             return Err(PlanError::UnknownRecord { id: r.id.clone() });
         }
     }
     for c in clones {
-        if !devices.iter().any(|d| d.id == c.id) {
+        if !ids.contains(&c.id.as_str()) {
             return Err(PlanError::UnknownClone { id: c.id.clone() });
         }
     }
     let mut actions = Vec::new();
     let mut files = Vec::new();
-    for d in devices {
+    for id in ids {
         let r = records
             .iter()
-            .find(|r| r.id == d.id)
-            .ok_or_else(|| PlanError::NoRecord { id: d.id.clone() })?;
-        let clone = clones.iter().find(|c| c.id == d.id).map(|c| c.file.clone());
-        let kind_matches = matches!(
-            (r.kind, d.format),
-            (PmemKind::Pcow, PmemFormat::Pcow) | (PmemKind::Raw, PmemFormat::Raw)
-        );
-        if !kind_matches {
-            return Err(PlanError::KindMismatch {
-                id: d.id.clone(),
-                recorded: r.kind,
-                config: d.format,
-            });
-        }
+            .find(|r| r.id == id)
+            .ok_or_else(|| PlanError::NoRecord { id: id.to_owned() })?;
+        let clone = clones.iter().find(|c| c.id == id).map(|c| c.file.clone());
         match r.kind {
             PmemKind::Raw => {
                 let file = match clone {
@@ -370,14 +355,14 @@ pub fn plan(
                     None => {
                         let now = pcow::FileIdentity::of_path(&r.file)
                             .map_err(|source| PlanError::RawMissing {
-                                id: d.id.clone(),
+                                id: id.to_owned(),
                                 file: r.file.clone(),
                                 source,
                             })?
                             .into();
                         if now != r.identity {
                             return Err(PlanError::RawChanged {
-                                id: d.id.clone(),
+                                id: id.to_owned(),
                                 file: r.file.clone(),
                                 recorded: r.identity,
                                 now,
@@ -386,23 +371,23 @@ pub fn plan(
                         r.file.clone()
                     }
                 };
-                files.push((d.id.clone(), file));
+                files.push((id.to_owned(), file));
             }
             PmemKind::Pcow => {
                 let frozen = r
                     .frozen
                     .clone()
-                    .ok_or_else(|| PlanError::NoFrozen { id: d.id.clone() })?;
+                    .ok_or_else(|| PlanError::NoFrozen { id: id.to_owned() })?;
                 let now: FileIdentity = pcow::FileIdentity::of_path(&frozen)
                     .map_err(|source| PlanError::FrozenMissing {
-                        id: d.id.clone(),
+                        id: id.to_owned(),
                         frozen: frozen.clone(),
                         source,
                     })?
                     .into();
                 if now != r.identity {
                     return Err(PlanError::FrozenChanged {
-                        id: d.id.clone(),
+                        id: id.to_owned(),
                         frozen,
                         recorded: r.identity,
                         now,
@@ -412,7 +397,7 @@ pub fn plan(
                     Some(file) => (
                         file.clone(),
                         Action::Clone {
-                            id: d.id.clone(),
+                            id: id.to_owned(),
                             file,
                             frozen,
                             identity: r.identity,
@@ -421,14 +406,14 @@ pub fn plan(
                     None => (
                         r.file.clone(),
                         Action::Reset {
-                            id: d.id.clone(),
+                            id: id.to_owned(),
                             file: r.file.clone(),
                             frozen,
                             identity: r.identity,
                         },
                     ),
                 };
-                files.push((d.id.clone(), file));
+                files.push((id.to_owned(), file));
                 actions.push(action);
             }
         }

@@ -151,7 +151,7 @@ pub fn restore(req: &RestoreRequest) -> Result<Restored, RestoreFailed> {
             source,
         })?;
     let devices: DeviceStates = decode(&file, "devices", &state.devices)?;
-    let plan = pmem_state::plan(&state.pmem, snap.validated_pmem(), &req.pmem)
+    let plan = pmem_state::plan(&state.pmem, snap.config().pmem(), &req.pmem)
         .map_err(RestoreFailed::Pmem)?;
     times.read = t.elapsed();
 
@@ -185,7 +185,7 @@ pub fn restore(req: &RestoreRequest) -> Result<Restored, RestoreFailed> {
         }
     }
     let pmem = config
-        .validate()
+        .validate_restored()
         .map_err(|e| remove_clones(RestoreFailed::Config(e)))?;
     let chardevs = Arc::new(
         Chardevs::open(&mut config).map_err(|e| remove_clones(RestoreFailed::Chardevs(e)))?,

@@ -293,8 +293,14 @@ fn create_raw(
     let n = parse_size(s)?;
     // An existing file is locked before it is truncated: one that another
     // process holds is refused unchanged.
-    let f = pcow::output_file::open_output(path)?;
-    pcow::output_file::reset_len(&f, path, n)?;
+    let (f, created) = pcow::output_file::open_output_noting(path)?;
+    if let Err(e) = pcow::output_file::reset_len(&f, path, n) {
+        // A size the file system cannot hold leaves no new file behind.
+        if created {
+            let _ = std::fs::remove_file(path);
+        }
+        return Err(e.into());
+    }
     if prealloc != Preallocation::Off {
         pcow::io::preallocate_file(&f, n, prealloc == Preallocation::Full)
             .with_context(|| format!("{}: preallocating {n} bytes", path.display()))?;
