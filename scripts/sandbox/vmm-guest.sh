@@ -14,13 +14,18 @@
 #                      s12prep s12track s12verify (+ l2.n=BYTES) |
 #                      s14dev (no pmem: /dev/hwrng, PCI ids, a shell on hvc0) |
 #                      s15button |
+#                      s16count s17pmem s18clone s19loop (+ l2.tag=ITERATION):
+#                        VM snapshot/restore; they wait for commands L1
+#                        types on the serial console (cmd_reader) |
 #                      bench (nothing: vmm-bench.sh)
 # Markers: GUEST-MANIFEST <sha256 of the listing>, GUEST-OK ..., GUEST-FAIL ...,
 # SYNCED n (s5loop, s7loop, s9loop), GUEST-REBOOTING (s7reboot), GUEST-CPUS,
 # GUEST-PMEM-SIZES (s8two), GUEST-S9-WAIT-RESET (s9reset), S11-VERIFIED
 # files=N bad=M (s11loop, s11verify), S12-BEGIN/S12-END step (s12track),
 # GUEST-S14-NMI-WAIT, GUEST-S14-NMI, GUEST-S14-WAITING, GUEST-S14-PRESSED
-# (s14button).
+# (s14button), COUNT n, GUEST-S16-GO, GUEST-S16-WORKS (s16count),
+# GUEST-S17-A-SYNCED, -B-SYNCED, -LS, -VERIFIED (s17pmem), GUEST-S18-READY,
+# GUEST-S18-LS (s18clone), GUEST-S19-READY, GUEST-S19-ALIVE (s19loop).
 # Exit status 0 when
 # the guest-side checks passed.
 # The file contents are generated (gen TEXT BYTES), so that L1 and the host
@@ -150,6 +155,38 @@ s12_expected() {
     gen "s12 C" "$n" >/tmp/s12-c.src
     s12_pages /tmp/s12-c.src "$1"
 }
+
+
+# Commands from L1 on the serial console. L1 holds the VMM's standard input
+# (a FIFO) open and types lines "L1CMD WORD..."; the VMM feeds them to the
+# 8250 (--serial tty), whose tty this background reader reads. A guest
+# restored from a snapshot has the reader (blocked in its read) and
+# /tmp/l1cmd as they were at the snapshot instant: this is how L1 tells a
+# source VM and its restored copies apart. Echo off, so that the commands do
+# not show in the serial log as if the guest had printed them; the guest
+# acknowledges each with "GUEST-CMD WORDS".
+cmd_reader() {
+    stty -F /dev/ttyS0 -echo 2>/dev/null
+    (while read -r w a; do
+        [ "$w" = L1CMD ] || continue
+        echo "$a" >>/tmp/l1cmd
+        echo "GUEST-CMD $a"
+    done </dev/ttyS0) &
+    echo "GUEST-CMD-READER pid=$!"
+}
+# cmd_wait: the first command L1 sent (waits up to 300 s for it).
+cmd_wait() {
+    j=0
+    while [ ! -s /tmp/l1cmd ]; do
+        [ $j -lt 3000 ] || fail "no command from L1 on the serial console in 300 s"
+        sleep 0.1
+        j=$((j + 1))
+    done
+    head -n1 /tmp/l1cmd
+}
+# fsync_file FILE: the file's data and metadata on the device (a FLUSH),
+# not the whole file system's.
+fsync_file() { sync "$1" || fail "fsync $1 failed"; }
 
 case $scenario in
     s1write)
@@ -513,6 +550,109 @@ case $scenario in
         echo "GUEST-S15-PRESSED"
         gen "s15 after the button" 30000 >$M/s15-after.txt
         ok "power button pressed ($(tr '\n' ' ' </tmp/acpid.log | cut -c1-100)): shutting down"
+        ;;
+    s16count)
+        # Continuity across snapshot/restore: COUNT n every ~0.1 s until L1
+        # says "go" (L1 pauses, snapshots and kills the source meanwhile,
+        # then restores it in a new VMM process: the count goes on there).
+        # Then the guest must still work: a file written, fsynced, caches
+        # dropped, read back.
+        need_dax
+        cmd_reader
+        i=0
+        while [ ! -s /tmp/l1cmd ]; do
+            echo "COUNT $i"
+            i=$((i + 1))
+            [ $i -lt 3000 ] || fail "no command from L1 after COUNT $i"
+            sleep 0.1
+        done
+        c=$(head -n1 /tmp/l1cmd)
+        [ "$c" = go ] || fail "unexpected command from L1: '$c'"
+        echo "GUEST-S16-GO after COUNT $((i - 1))"
+        gen "s16 after restore" 200000 >$M/s16.txt
+        fsync_file $M/s16.txt
+        echo 3 >/proc/sys/vm/drop_caches
+        same $M/s16.txt "s16 after restore" 200000 || fail "s16.txt does not read back"
+        echo "GUEST-S16-WORKS"
+        ok "counted to $((i - 1)); wrote, fsynced and read back s16.txt"
+        ;;
+    s17pmem)
+        # The pmem content of a snapshot: A written before it; the source
+        # (told "writeb" after its resume) writes B; the restored copy
+        # (told "verify") must not see B, even with its caches dropped.
+        need_dax
+        cmd_reader
+        gen "s17 A" 150000 >$M/a.txt
+        sync
+        echo "GUEST-S17-A-SYNCED"
+        c=$(cmd_wait)
+        case $c in
+            writeb)
+                gen "s17 B" 120000 >$M/b.txt
+                sync
+                same $M/b.txt "s17 B" 120000 || fail "b.txt does not read back"
+                echo "GUEST-S17-B-SYNCED"
+                ok "source: wrote and synced b.txt after the snapshot"
+                ;;
+            verify)
+                echo "GUEST-S17-LS-CACHED $(ls $M | tr '\n' ' ')"
+                echo 3 >/proc/sys/vm/drop_caches
+                echo "GUEST-S17-LS $(ls $M | tr '\n' ' ')"
+                [ ! -e $M/b.txt ] || fail "b.txt (written by the source after the snapshot) is there after the restore"
+                same $M/a.txt "s17 A" 150000 || fail "a.txt (synced before the snapshot) missing or wrong"
+                gen "s17 restored" 10000 >$M/r.txt
+                sync
+                echo "GUEST-S17-VERIFIED"
+                ok "restored: a.txt intact, no b.txt after drop_caches; wrote r.txt"
+                ;;
+            *) fail "unexpected command from L1: '$c'" ;;
+        esac
+        ;;
+    s18clone)
+        # One snapshot, several clones: each told "clone K" writes clone-K.txt
+        # and must see no other clone's file.
+        need_dax
+        cmd_reader
+        gen "s18 base" 100000 >$M/base.txt
+        sync
+        echo "GUEST-S18-READY"
+        c=$(cmd_wait)
+        case $c in "clone "[0-9]*) ;; *) fail "unexpected command from L1: '$c'" ;; esac
+        k=${c#clone }
+        gen "s18 clone $k" 50000 >$M/clone-$k.txt
+        sync
+        echo 3 >/proc/sys/vm/drop_caches
+        names=$(ls $M | grep '^clone-' | tr '\n' ' ')
+        echo "GUEST-S18-LS k=$k: $names"
+        [ "$names" = "clone-$k.txt " ] || fail "clone $k sees '$names', expected only clone-$k.txt"
+        same $M/clone-$k.txt "s18 clone $k" 50000 || fail "clone-$k.txt does not read back"
+        same $M/base.txt "s18 base" 100000 || fail "base.txt (before the snapshot) missing or wrong"
+        ok "clone $k: its own file only"
+        ;;
+    s19loop)
+        # Iteration l2.tag of the snapshot-kill campaign: the files of the
+        # iterations before (their sources synced them before the snapshot
+        # L1 killed) are intact, this one's is written and synced; then wait.
+        # A copy restored from this iteration's snapshot, told "alive",
+        # proves it works.
+        need_dax
+        cmd_reader
+        [ -n "$tag" ] || fail "no l2.tag"
+        j=1
+        while [ $j -lt "$tag" ]; do
+            same $M/it-$j.txt "s19 iteration $j" 30000 || fail "it-$j.txt (synced by iteration $j) lost or wrong"
+            j=$((j + 1))
+        done
+        gen "s19 iteration $tag" 30000 >$M/it-$tag.txt
+        sync
+        echo "GUEST-S19-READY tag=$tag"
+        c=$(cmd_wait)
+        [ "$c" = alive ] || fail "unexpected command from L1: '$c'"
+        same $M/it-$tag.txt "s19 iteration $tag" 30000 || fail "restored: it-$tag.txt wrong"
+        gen "s19 restored $tag" 10000 >$M/restored.txt
+        fsync_file $M/restored.txt
+        echo "GUEST-S19-ALIVE tag=$tag"
+        ok "restored copy of iteration $tag works"
         ;;
     bench) ;;
     *)

@@ -32,13 +32,14 @@ L=/tmp/logs
 # (-vv: debug lines too, ours only),
 # reboot (the QEMU stand-in reboots in place instead of exiting, as ours does),
 # api=PATH (--api-socket path=PATH; ours only), console=MODE (--console MODE,
-# default off; ours only).
+# default off; ours only), mem=SIZE (--memory size=SIZE, default 256M).
 vmm_exec() {
     cpus=1
     verbose=
     noreboot=-no-reboot
     api=
     console=off
+    mem=256M
     for o in ${3:-}; do
         case $o in
             cpus=*) cpus=${o#cpus=} ;;
@@ -47,6 +48,7 @@ vmm_exec() {
             reboot) noreboot= ;;
             api=*) api=${o#api=} ;;
             console=*) console=${o#console=} ;;
+            mem=*) mem=${o#mem=} ;;
         esac
     done
     # VMM_LOG=vv (VMMSC_VMM_LOG): debug lines from every VMM run.
@@ -58,7 +60,7 @@ vmm_exec() {
         for p in $pm; do set -- "$@" --pmem "$p"; done
         [ -z "$api" ] || set -- "$@" --api-socket "path=$api"
         exec ./cloud-hypervisor $verbose --kernel l2/vmlinuz --initramfs l2/initramfs.cpio \
-            --cmdline "$KCMD $cmd" --cpus boot=$cpus --memory size=256M \
+            --cmdline "$KCMD $cmd" --cpus boot=$cpus --memory size=$mem \
             "$@" --serial tty --console "$console"
     fi
     k=0
@@ -81,12 +83,27 @@ vmm_exec() {
         k=$((k + 1))
     done
     exec ./qemu/qemu-system-x86_64 -L ./qemu/share -accel kvm -cpu host \
-        -m 256M,slots=$((k + 1)),maxmem=1G -smp $cpus -nographic -nodefaults -serial stdio $noreboot \
+        -m $mem,slots=$((k + 1)),maxmem=1G -smp $cpus -nographic -nodefaults -serial stdio $noreboot \
         -kernel l2/vmlinuz -initrd l2/initramfs.cpio -append "$KCMD $cmd" "$@"
 }
 if [ "${1:-}" = __vmm ]; then
     shift
     vmm_exec "$@"
+fi
+# __restore OPTS SOCKET: a new VMM process restoring a VM snapshot
+# (`--restore OPTS`, Cloud Hypervisor's syntax), its API on SOCKET, -v (or
+# -vv with VMM_LOG=vv). Everything else (kernel, pmem, serial) comes from the
+# snapshot's config.
+if [ "${1:-}" = __restore ]; then
+    v_=-v
+    [ "${VMM_LOG:-}" = vv ] && v_=-vv
+    exec ./cloud-hypervisor $v_ --api-socket "path=$3" --restore "$2"
+fi
+# __empty SOCKET: a VMM with nothing but its API (a VM comes by vm.restore).
+if [ "${1:-}" = __empty ]; then
+    v_=-v
+    [ "${VMM_LOG:-}" = vv ] && v_=-vv
+    exec ./cloud-hypervisor $v_ --api-socket "path=$2"
 fi
 
 up() { cut -d' ' -f1 /proc/uptime; }
@@ -1139,6 +1156,451 @@ sc14() {
     grep -q 'GUEST-PCI 0000:00:01.0 0x1af4:0x1043' $L/s14-dev.log || { why="00:01.0 is not the virtio console: $(grep -o 'GUEST-PCI 0000:00:01.0.*' $L/s14-dev.log)"; return 1; }
     grep -q 'GUEST-PCI 0000:00:02.0 0x1af4:0x1044' $L/s14-dev.log || { why="00:02.0 is not the virtio-rng: $(grep -o 'GUEST-PCI 0000:00:02.0.*' $L/s14-dev.log)"; return 1; }
     note="$(grep -o 'GUEST-RNG.*' $L/s14-dev.log | head -n1); the shell on hvc0 answered through $pty"
+}
+
+# ---- scenarios 16-19: VM snapshot, restore and clones ----------------------------
+# The source VM runs with the API and with its standard input a FIFO that L1
+# holds open (read-write, so that neither side ever sees an end of file or a
+# SIGPIPE, even after a kill -9); `--serial tty` makes that input the guest's
+# ttyS0 input. The guest (vmm-guest.sh cmd_reader) reacts to lines
+# "L1CMD ...": the only way L1 can tell a source VM from its restored copies,
+# which run the same guest from the same instant. A restored VM takes its
+# serial settings from the snapshot's config: `tty` again, so its serial is
+# the new VMM process's standard output (its own log here) and its input that
+# process's standard input (its own FIFO).
+# vm_fifo SLOT: a fresh FIFO /tmp/vmin-SLOT, held open on fd SLOT (3..9).
+vm_fifo() {
+    eval "exec $1>&-"
+    rm -f /tmp/vmin-$1
+    mkfifo /tmp/vmin-$1 || return 1
+    eval "exec $1<>/tmp/vmin-$1"
+}
+# vm_say SLOT WORDS...: one command line on that VM's serial input.
+vm_say() {
+    s_=$1
+    shift
+    printf 'L1CMD %s\n' "$*" >/tmp/vmin-$s_
+    echo "VMMSC-SAY slot=$s_: $*"
+}
+# vm_tell NAME SLOT WORDS...: vm_say, then the guest's acknowledgement
+# (GUEST-CMD WORDS) in NAME's serial log within 30 s (while $pid lives);
+# else sets why (the line never reached the guest).
+vm_tell() {
+    tn_=$1
+    ts_=$2
+    shift 2
+    vm_say $ts_ "$@"
+    until_ 30 grep -qF "GUEST-CMD $*" $L/$tn_.log && return 0
+    why="$tn_: the guest did not acknowledge '$*' (no GUEST-CMD line) within 30 s of L1 writing it to the VMM's standard input, its serial input (VMM alive: $(alive $pid && echo yes || echo no))"
+    return 1
+}
+# vm_start NAME SLOT SOCKET PMEM_SPECS EXTRA_CMDLINE [OPTS]: the source VMM
+# (vmm_exec, -v, the API on SOCKET) in the background as $pid, started at $t.
+vm_start() {
+    vm_fifo $2 || { why="$1: mkfifo failed"; return 1; }
+    rm -f $3
+    t=$(up)
+    sh "$0" __vmm "$4" "$5" "v api=$3 ${6:-}" </tmp/vmin-$2 >$L/$1.log 2>&1 &
+    pid=$!
+}
+# vm_restore NAME SLOT SOCKET RESTORE_OPTS: a new VMM process with
+# `--restore RESTORE_OPTS` in the background as $pid, started at $t.
+vm_restore() {
+    vm_fifo $2 || { why="$1: mkfifo failed"; return 1; }
+    rm -f $3
+    t=$(up)
+    sh "$0" __restore "$4" "$3" </tmp/vmin-$2 >$L/$1.log 2>&1 &
+    pid=$!
+    echo "VMMSC-RESTORE $1: --restore $4"
+}
+# vm_running SOCKET: vm.info through SOCKET answers state Running.
+vm_running() {
+    ./ch-remote --api-socket "$1" --timeout 10 info >$L/running.out 2>&1 || return 1
+    tr -d ' \n\r' <$L/running.out | grep -q '"state":"Running"'
+}
+# counts NAME: the COUNT numbers in NAME's serial log, one a line.
+counts() { tr -d '\r' <$L/$1.log | sed -n 's/^COUNT \([0-9][0-9]*\)$/\1/p'; }
+count_n() { [ "$(counts "$1" | wc -l)" -ge "$2" ]; }
+# frozen_of DIR: the frozen pcow file DIR/state.json names for _pmem0.
+frozen_of() { tr -d ' \n\r' <"$1/state.json" 2>/dev/null | grep -o '"frozen":"[^"]*"' | head -n1 | cut -d'"' -f4; }
+# chain_of IMAGE: the image and its bases (pcow-img info's "backing file:",
+# relative to the image's directory unless absolute), one path a line.
+chain_of() {
+    f_=$1
+    n_=0
+    while [ -n "$f_" ] && [ $n_ -lt 64 ]; do
+        echo "$f_"
+        b_=$(pcow-img info "$f_" 2>/dev/null | sed -n 's/^backing file: \([^ ]*\).*/\1/p')
+        case $b_ in
+            "") f_= ;;
+            /*) f_=$b_ ;;
+            *) f_=$(dirname "$f_")/$b_ ;;
+        esac
+        n_=$((n_ + 1))
+    done
+}
+# chain_check IMAGE CODES: pcow-img check on every file of the chain; each
+# must answer one of CODES ("0" or "0 3"); else sets why.
+chain_check() {
+    for f in $(chain_of "$1"); do
+        img_check "$f"
+        case " $2 " in *" $crc "*) ;; *) why="${why:+$why; }pcow-img check $(basename "$f"): rc=$crc, expected one of: $2"; return 1 ;; esac
+    done
+}
+# chain_out IMAGE DIR: the chain's files into /out/DIR (the host flattens it).
+chain_out() {
+    mkdir -p /out/$2
+    for f in $(chain_of "$1"); do cp "$f" /out/$2/; done
+}
+# dir_sums DIR [FILE...]: sha256 of every file under DIR and of each FILE.
+dir_sums() {
+    d_=$1
+    shift
+    { find "$d_" -type f | sort | xargs sha256sum; for f in "$@"; do sha256sum "$f"; done; } 2>&1 | sha256sum | cut -d' ' -f1
+}
+# dir_meta DIR: a digest of DIR's files' names, sizes, mtimes and inodes and
+# of the content of its JSON files: cheap enough while a VM waits (a sha256
+# of memory-ranges takes half a minute in L1 under TCG).
+dir_meta() {
+    { find "$1" -type f | sort | xargs stat -c '%n %s %Y %i'; cat "$1"/*.json; } 2>&1 | sha256sum | cut -d' ' -f1
+}
+# vm_snapshot NAME DIR: pause the VM on $SOCK, snapshot into DIR (made
+# empty), and check it is still Paused (sets why).
+vm_snapshot() {
+    rm -rf "$2"
+    mkdir -p "$2"
+    api $1-pause pause
+    [ $arc -eq 0 ] || { why="$1: ch-remote pause: rc=$arc ($(api_err $1-pause))"; return 1; }
+    ts_=$(up)
+    api $1-snapshot snapshot "file://$2"
+    echo "VMMSC-INFO snapshot $1 took=$(since "$ts_")s files='$(ls "$2" | tr '\n' ' ')'"
+    [ $arc -eq 0 ] || { why="$1: ch-remote snapshot file://$2: rc=$arc ($(api_err $1-snapshot))"; return 1; }
+    [ -f "$2/state.json" ] && [ -f "$2/config.json" ] || { why="$1: the snapshot directory holds '$(ls "$2" | tr '\n' ' ')', no state.json/config.json"; return 1; }
+    api $1-info-after info
+    [ "$(json_state $1-info-after)" = Paused ] || { why="$1: state '$(json_state $1-info-after)' after the snapshot, expected Paused"; return 1; }
+}
+
+# Scenario 16: the guest counts; pause, snapshot, kill -9 of the source,
+# restore in a new process (resume=on): the count goes on from where it was
+# and the guest still works. Also: a snapshot of the Running VM is refused
+# and changes nothing.
+S16DIR=/tmp/snap16
+sc16() {
+    s16_run
+    r_=$?
+    rm -rf $S16DIR
+    return $r_
+}
+s16_run() {
+    [ "$VMM" = ch ] || { why="needs our VMM (vm.snapshot, vm.restore)"; return 1; }
+    img=$(img_in s16) || { why="no image"; return 1; }
+    SOCK=/tmp/ch.sock
+    vm_start s16-source 5 $SOCK "file=$img" "l2.scenario=s16count" || return 1
+    until_ 120 grep -q '^COUNT 20' $L/s16-source.log \
+        || { vmm_end s16-source "$t" 1 GUEST-NEVER "no COUNT 20"; chain_out "$img" s16; why="s16-source: no COUNT 20$(guest_said s16-source)"; return 1; }
+    rm -rf $S16DIR
+    mkdir -p $S16DIR
+    api s16-snap-running snapshot "file://$S16DIR"
+    if [ $arc -eq 0 ] || [ -n "$(ls -A $S16DIR)" ] || [ "$(ls /tmp | grep -c '^s16\.pcow\.')" -ne 0 ]; then
+        why="a snapshot of the Running VM: rc=$arc, directory '$(ls -A $S16DIR | tr '\n' ' ')', frozen files '$(ls /tmp | grep '^s16\.pcow\.' | tr '\n' ' ')' (expected a refusal that changes nothing)"
+        vmm_end s16-source "$t" 1 GUEST-NEVER "the running snapshot was not refused"
+        chain_out "$img" s16
+        return 1
+    fi
+    refused=$(api_err s16-snap-running | cut -c1-80)
+    if ! vm_snapshot s16 $S16DIR; then
+        vmm_end s16-source "$t" 1 GUEST-NEVER "the snapshot failed"
+        chain_out "$img" s16
+        return 1
+    fi
+    c0=$(counts s16-source | tail -n1)
+    vmm_end s16-source "$t" 1 GUEST-NEVER "kill -9 after the snapshot"
+    frozen=$(frozen_of $S16DIR)
+    echo "VMMSC-INFO 16 last_count_before=$c0 frozen=$frozen"
+    [ -n "$frozen" ] && [ -f "$frozen" ] || { why="state.json names no frozen pcow file for _pmem0 (got '$frozen'): $(tr -d '\n' <$S16DIR/state.json | grep -o '"pmem".\{0,200\}')"; chain_out "$img" s16; return 1; }
+    vm_restore s16-restored 6 /tmp/ch2.sock "source_url=file://$S16DIR,resume=on" || return 1
+    if ! until_ 60 count_n s16-restored 5; then
+        vmm_end s16-restored "$t" 0 GUEST-NEVER "fewer than 5 COUNT lines"
+        chain_out "$img" s16
+        why="s16-restored: fewer than 5 COUNT lines 60 s after the restore (VMM exit $vrc$(guest_said s16-restored))"
+        return 1
+    fi
+    if ! vm_tell s16-restored 6 go; then
+        vmm_end s16-restored "$t" 0 GUEST-NEVER "no GUEST-CMD"
+        chain_out "$img" s16
+        return 1
+    fi
+    vmm_end s16-restored "$t" 0 GUEST-NEVER
+    chain_out "$img" s16
+    counts s16-restored >$L/s16-counts
+    c1=$(head -n1 $L/s16-counts)
+    cn=$(tail -n1 $L/s16-counts)
+    echo "VMMSC-INFO 16 first_count_after=$c1 last_count_after=$cn lines_after=$(wc -l <$L/s16-counts)"
+    grep -q L2-BOOTED $L/s16-restored.log && { why="s16-restored: the guest booted again (L2-BOOTED) instead of going on"; return 1; }
+    [ "$c1" -gt 0 ] && [ "$c1" -ge $((c0 - 3)) ] && [ "$c1" -le $((c0 + 3)) ] \
+        || { why="s16-restored: first COUNT $c1 after the restore, last before the snapshot $c0 (expected $((c0 - 3))..$((c0 + 3)))"; return 1; }
+    # One by one; the VMM's log lines share the file with the serial output
+    # and can land inside a COUNT line, so up to 2 numbers may be missing,
+    # but the count never goes back or stands still.
+    back=$(awk 'NR > 1 && $1 <= p { printf "%d->%d ", p, $1 } { p = $1 }' $L/s16-counts)
+    [ -z "$back" ] || { why="s16-restored: the count goes back or repeats: $back"; return 1; }
+    missing=$(awk 'NR == 1 { f = $1 } { n++; l = $1 } END { print l - f + 1 - n }' $L/s16-counts)
+    [ "$missing" -le 2 ] || { why="s16-restored: $missing numbers missing between COUNT $c1 and $cn"; return 1; }
+    booted_ok s16-restored || return 1
+    grep -q GUEST-S16-WORKS $L/s16-restored.log || { why="s16-restored: no GUEST-S16-WORKS$(guest_said s16-restored)"; return 1; }
+    chain_check "$img" 0 || return 1
+    note="Running snapshot refused ($refused); paused at COUNT $c0, snapshot, kill -9, restored: COUNT $c1..$cn, then wrote, fsynced and read back a file, powered off, exit 0; check rc=0 on $(chain_of "$img" | wc -l) files"
+}
+
+# Scenario 17: the pmem content at the snapshot instant. A synced, snapshot,
+# the source resumes and writes B; a restore without the pmem override while
+# the source runs is refused (naming the override); after the source's
+# poweroff the restore rolls the image back: no B even with caches dropped.
+S17DIR=/tmp/snap17
+sc17() {
+    s17_run
+    r_=$?
+    rm -rf $S17DIR
+    return $r_
+}
+s17_run() {
+    [ "$VMM" = ch ] || { why="needs our VMM (vm.snapshot, vm.restore)"; return 1; }
+    img=$(img_in s17) || { why="no image"; return 1; }
+    SOCK=/tmp/ch.sock
+    vm_start s17-source 5 $SOCK "file=$img" "l2.scenario=s17pmem" || return 1
+    until_ 120 grep -q GUEST-S17-A-SYNCED $L/s17-source.log \
+        || { vmm_end s17-source "$t" 1 GUEST-NEVER "no GUEST-S17-A-SYNCED"; chain_out "$img" s17; why="s17-source: no GUEST-S17-A-SYNCED$(guest_said s17-source)"; return 1; }
+    if ! vm_snapshot s17 $S17DIR; then
+        vmm_end s17-source "$t" 1 GUEST-NEVER "the snapshot failed"
+        chain_out "$img" s17
+        return 1
+    fi
+    api s17-resume resume
+    [ $arc -eq 0 ] || { why="s17: resume after the snapshot: rc=$arc ($(api_err s17-resume))"; vmm_end s17-source "$t" 1 GUEST-NEVER "resume failed"; chain_out "$img" s17; return 1; }
+    # The source runs on the image: a restore onto it is refused, naming
+    # the pmem override.
+    spid=$pid
+    st=$t
+    h0=$(dir_meta $S17DIR)
+    timeout -s KILL 60 sh "$0" __restore "source_url=file://$S17DIR,resume=on" /tmp/ch3.sock </dev/null >$L/s17-refused.log 2>&1
+    rrc=$?
+    echo "VMMSC-BOOT s17-refused exit=$rrc"
+    tr -d '\r' <$L/s17-refused.log | sed "s/^/  L2[s17-refused]| /" | tail -n 5
+    pid=$spid
+    t=$st
+    if [ $rrc -eq 0 ] || ! grep -v '^\[' $L/s17-refused.log | grep -qE 'pmem=|override'; then
+        why="s17: a restore without the pmem override while the source runs: exit $rrc, expected a refusal naming the pmem override: $(tail -n 2 $L/s17-refused.log | tr '\n' ' ' | cut -c1-200)"
+        vmm_end s17-source "$t" 1 GUEST-NEVER "the restore was not refused"
+        chain_out "$img" s17
+        return 1
+    fi
+    [ "$(dir_meta $S17DIR)" = "$h0" ] || { why="s17: the refused restore changed the snapshot directory (names, sizes, mtimes or JSON)"; vmm_end s17-source "$t" 1 GUEST-NEVER "snapshot changed"; return 1; }
+    api s17-info-running info
+    [ "$(json_state s17-info-running)" = Running ] || { why="s17: the source is '$(json_state s17-info-running)' after the refused restore, expected Running"; vmm_end s17-source "$t" 1 GUEST-NEVER "source not running"; return 1; }
+    vm_tell s17-source 5 writeb || { vmm_end s17-source "$t" 1 GUEST-NEVER "no GUEST-CMD"; chain_out "$img" s17; return 1; }
+    vmm_end s17-source "$t" 1 GUEST-NEVER
+    chain_out "$img" s17src
+    booted_ok s17-source || { chain_out "$img" s17; why="$why (the source)"; return 1; }
+    grep -q GUEST-S17-B-SYNCED $L/s17-source.log || { why="s17-source: no GUEST-S17-B-SYNCED$(guest_said s17-source)"; chain_out "$img" s17; return 1; }
+    chain_check "$img" 0 || return 1
+    vm_restore s17-restored 6 /tmp/ch2.sock "source_url=file://$S17DIR,resume=on" || return 1
+    SOCK=/tmp/ch2.sock
+    if ! until_ 60 vm_running $SOCK; then
+        vmm_end s17-restored "$t" 0 GUEST-NEVER "not Running"
+        SOCK=/tmp/ch.sock
+        chain_out "$img" s17
+        why="s17-restored: not Running 60 s after the restore (VMM exit $vrc: $(tail -n 3 $L/s17-restored.log | tr '\n' ' ' | cut -c1-200))"
+        return 1
+    fi
+    SOCK=/tmp/ch.sock
+    vm_tell s17-restored 6 verify || { vmm_end s17-restored "$t" 0 GUEST-NEVER "no GUEST-CMD"; chain_out "$img" s17; return 1; }
+    vmm_end s17-restored "$t" 0 GUEST-NEVER
+    chain_out "$img" s17
+    grep -q L2-BOOTED $L/s17-restored.log && { why="s17-restored: the guest booted again (L2-BOOTED) instead of going on"; return 1; }
+    booted_ok s17-restored || return 1
+    grep -q GUEST-S17-VERIFIED $L/s17-restored.log || { why="s17-restored: no GUEST-S17-VERIFIED$(guest_said s17-restored)"; return 1; }
+    chain_check "$img" 0 || return 1
+    note="source wrote B after the snapshot and powered off; restore while it ran refused ($(grep -v '^\[' $L/s17-refused.log | grep -E 'pmem=|override' | head -n1 | tr -d '\r' | cut -c1-100)); restored: $(grep -o 'GUEST-S17-LS .*' $L/s17-restored.log | tr -d '\r' | cut -c1-60) (no B after drop_caches), powered off, exit 0, check rc=0"
+}
+
+# Scenario 18: three clones restored at once from one snapshot, each with its
+# own overlay (pmem=[_pmem0@FILE]) and RAM mapped copy-on-write; each writes
+# its own file and sees only its own; the snapshot is unchanged.
+S18DIR=/tmp/snap18
+sc18() {
+    s18_run
+    r_=$?
+    rm -rf $S18DIR
+    return $r_
+}
+s18_run() {
+    [ "$VMM" = ch ] || { why="needs our VMM (vm.snapshot, vm.restore)"; return 1; }
+    img=$(img_in s18) || { why="no image"; return 1; }
+    SOCK=/tmp/ch.sock
+    vm_start s18-source 5 $SOCK "file=$img" "l2.scenario=s18clone" "mem=192M" || return 1
+    until_ 120 grep -q GUEST-S18-READY $L/s18-source.log \
+        || { vmm_end s18-source "$t" 1 GUEST-NEVER "no GUEST-S18-READY"; why="s18-source: no GUEST-S18-READY$(guest_said s18-source)"; return 1; }
+    if ! vm_snapshot s18 $S18DIR; then
+        vmm_end s18-source "$t" 1 GUEST-NEVER "the snapshot failed"
+        return 1
+    fi
+    vmm_end s18-source "$t" 1 GUEST-NEVER "kill -9 after the snapshot"
+    frozen=$(frozen_of $S18DIR)
+    [ -n "$frozen" ] && [ -f "$frozen" ] || { why="state.json names no frozen pcow file for _pmem0 (got '$frozen')"; return 1; }
+    h0=$(dir_sums $S18DIR "$frozen")
+    # Clones 1 and 2: `cloud-hypervisor --restore`; clone 3: an empty VMM,
+    # then `ch-remote restore` and `ch-remote resume` (both upstream ways).
+    for k in 1 2 3; do
+        rm -f /tmp/s18-clone$k.pcow
+        ropts="source_url=file://$S18DIR,memory_restore_mode=copyonwrite,pmem=[_pmem0@/tmp/s18-clone$k.pcow]"
+        if [ $k -lt 3 ]; then
+            vm_restore s18-clone$k $((5 + k)) /tmp/ch-c$k.sock "$ropts,resume=on" || return 1
+        else
+            vm_fifo 8 || { why="mkfifo failed"; return 1; }
+            rm -f /tmp/ch-c3.sock
+            t=$(up)
+            sh "$0" __empty /tmp/ch-c3.sock </tmp/vmin-8 >$L/s18-clone3.log 2>&1 &
+            pid=$!
+            SOCK=/tmp/ch-c3.sock
+            if until_ 30 test -S $SOCK; then
+                api s18-c3-restore restore "$ropts"
+                [ $arc -eq 0 ] || why="clone 3: ch-remote restore $ropts: rc=$arc ($(api_err s18-c3-restore))"
+                api s18-c3-info info
+                [ -n "$why" ] || [ "$(json_state s18-c3-info)" = Paused ] || why="clone 3: state '$(json_state s18-c3-info)' after vm.restore, expected Paused"
+                [ -n "$why" ] || api s18-c3-resume resume
+                [ -n "$why" ] || [ $arc -eq 0 ] || why="clone 3: ch-remote resume: rc=$arc ($(api_err s18-c3-resume))"
+            else
+                why="clone 3: the empty VMM made no API socket"
+            fi
+            SOCK=/tmp/ch.sock
+        fi
+        eval "p$k=$pid t$k=$t"
+    done
+    for k in 1 2 3; do
+        eval "pid=\$p$k"
+        until_ 60 vm_running /tmp/ch-c$k.sock || why="${why:+$why; }clone $k: not Running 60 s after the restore ($(tail -n 2 $L/s18-clone$k.log | tr '\n' ' ' | cut -c1-160))"
+    done
+    for k in 1 2 3; do
+        eval "pid=\$p$k"
+        [ -n "$why" ] || vm_tell s18-clone$k $((5 + k)) clone $k || break
+    done
+    w_=$why
+    for k in 1 2 3; do
+        eval "pid=\$p$k t=\$t$k"
+        if [ -n "$w_" ]; then vmm_end s18-clone$k "$t" 0 GUEST-NEVER "a clone failed"; else vmm_end s18-clone$k "$t" 0 GUEST-NEVER; fi
+        eval "vrc$k=$vrc"
+    done
+    why=$w_
+    mkdir -p /out/s18
+    cp "$frozen" /out/s18/
+    for k in 1 2 3; do [ -f /tmp/s18-clone$k.pcow ] && cp /tmp/s18-clone$k.pcow /out/s18/; done
+    [ -z "$why" ] || return 1
+    h1=$(dir_sums $S18DIR "$frozen")
+    echo "VMMSC-INFO 18 frozen=$(basename "$frozen") snapshot_sums_before=$h0 after=$h1"
+    for k in 1 2 3; do
+        eval "vrc=\$vrc$k"
+        to=
+        booted_ok s18-clone$k || return 1
+        grep -q L2-BOOTED $L/s18-clone$k.log && { why="clone $k: the guest booted again (L2-BOOTED)"; return 1; }
+        grep -q "GUEST-S18-LS k=$k: clone-$k.txt" $L/s18-clone$k.log || { why="clone $k: $(grep -o 'GUEST-S18-LS.*' $L/s18-clone$k.log)"; return 1; }
+        pcow-img info /tmp/s18-clone$k.pcow 2>&1 | grep -q "^backing file: .*$(basename "$frozen")" \
+            || { why="clone $k: /tmp/s18-clone$k.pcow does not name $(basename "$frozen") as its base: $(pcow-img info /tmp/s18-clone$k.pcow 2>&1 | grep -i backing)"; return 1; }
+        chain_check /tmp/s18-clone$k.pcow 0 || return 1
+    done
+    [ "$h0" = "$h1" ] || { why="the snapshot directory or the frozen file changed while the clones ran (sha256 of all files $h0 -> $h1)"; return 1; }
+    note="3 clones (copyonwrite RAM, own overlays; 2 by --restore, 1 by vm.restore on an empty VMM) ran at once, each saw only its own file, powered off, exit 0; snapshot dir + frozen file byte-identical; check rc=0"
+}
+
+# Scenario 19: kill -9 of the source VMM during `ch-remote snapshot`, at a
+# random delay, S19_ITERS times, each from a fresh source VM on the same
+# image. After each: every file of the image's chain checks 0 or 3 (leaks
+# only), and the snapshot directory either restores (onto a clone overlay, so
+# the image is left alone) to a guest that answers, or is refused as
+# incomplete (and the refusal creates no clone file). A last boot verifies
+# every iteration's file.
+S19DIR=/tmp/snap19
+sc19() {
+    [ "$VMM" = ch ] || { why="needs our VMM (vm.snapshot, vm.restore)"; return 1; }
+    img=$(img_in s19) || { why="no image"; return 1; }
+    SOCK=/tmp/ch.sock
+    iters=${S19_ITERS:-5}
+    maxms=${S19_MAX_MS:-6000}
+    nok=0 ninc=0 rc3=0
+    i=1
+    while [ $i -le "$iters" ]; do
+        vm_start s19-src-$i 5 $SOCK "file=$img" "l2.scenario=s19loop l2.tag=$i" "mem=192M" || return 1
+        if ! until_ 120 grep -qE 'GUEST-S19-READY|GUEST-FAIL' $L/s19-src-$i.log || grep -q GUEST-FAIL $L/s19-src-$i.log; then
+            vmm_end s19-src-$i "$t" 1 GUEST-NEVER "not ready"
+            chain_out "$img" s19
+            why="iteration $i: the source guest did not get ready$(guest_said s19-src-$i)"
+            return 1
+        fi
+        api s19-pause-$i pause
+        [ $arc -eq 0 ] || { why="iteration $i: pause: rc=$arc ($(api_err s19-pause-$i))"; vmm_end s19-src-$i "$t" 1 GUEST-NEVER "pause failed"; chain_out "$img" s19; return 1; }
+        rm -rf $S19DIR
+        mkdir -p $S19DIR
+        delay=$(($(rnd) % (maxms + 1)))
+        ./ch-remote --api-socket $SOCK --timeout 30 snapshot "file://$S19DIR" >$L/s19-snap.out 2>&1 &
+        apid=$!
+        usleep $((delay * 1000)) 2>/dev/null || sleep "$(awk -v d=$delay 'BEGIN { printf "%.3f", d / 1000 }')"
+        done_before=no
+        alive $apid || done_before=yes
+        vmm_end s19-src-$i "$t" 1 GUEST-NEVER "kill -9 ${delay} ms into the snapshot" >$L/s19-src.out
+        head -n1 $L/s19-src.out
+        wait $apid
+        arc=$?
+        echo "VMMSC-INFO 19 iteration=$i kill_after_ms=$delay snapshot_rc=$arc answered_before_kill=$done_before files='$(ls $S19DIR | tr '\n' ' ')' ch-remote: $(tr '\n' ' ' <$L/s19-snap.out | cut -c1-120)"
+        for f in $(chain_of "$img"); do
+            img_check "$f"
+            case $crc in
+                0) ;;
+                3) rc3=$((rc3 + 1)) ;;
+                *) why="iteration $i (kill ${delay} ms into the snapshot): pcow-img check $(basename "$f"): rc=$crc"; chain_out "$img" s19; return 1 ;;
+            esac
+        done
+        # The snapshot directory: restored onto a clone, or refused as
+        # incomplete.
+        clone=/tmp/s19-clone.pcow
+        rm -f $clone
+        vm_restore s19-restore-$i 6 /tmp/ch2.sock "source_url=file://$S19DIR,resume=on,pmem=[_pmem0@$clone]" || return 1
+        until_ 60 vm_running /tmp/ch2.sock || true
+        if alive $pid; then
+            if ! vm_tell s19-restore-$i 6 alive; then
+                vmm_end s19-restore-$i "$t" 0 GUEST-NEVER "no GUEST-CMD"
+                why="iteration $i (snapshot rc=$arc): $why"
+                chain_out "$img" s19
+                return 1
+            fi
+            vmm_end s19-restore-$i "$t" 0 GUEST-NEVER
+            booted_ok s19-restore-$i || { why="iteration $i (kill ${delay} ms into the snapshot, snapshot rc=$arc): the restored VM: $why"; chain_out "$img" s19; return 1; }
+            grep -q "GUEST-S19-ALIVE tag=$i" $L/s19-restore-$i.log || { why="iteration $i: the restored guest did not answer$(guest_said s19-restore-$i)"; chain_out "$img" s19; return 1; }
+            chain_check $clone 0 || { why="iteration $i: $why"; chain_out "$img" s19; return 1; }
+            nok=$((nok + 1))
+            echo "VMMSC-INFO 19 iteration=$i restored=yes"
+        else
+            vmm_end s19-restore-$i "$t" 0 GUEST-NEVER
+            if [ $vrc -eq 0 ] || ! grep -qi incomplete $L/s19-restore-$i.log; then
+                why="iteration $i (kill ${delay} ms into the snapshot, snapshot rc=$arc): the restore neither ran nor was refused as incomplete: exit $vrc: $(grep -v '^ *$' $L/s19-restore-$i.log | tail -n 2 | tr '\n' ' ' | cut -c1-200)"
+                chain_out "$img" s19
+                return 1
+            fi
+            [ ! -e $clone ] || { why="iteration $i: the refused restore left $clone behind"; chain_out "$img" s19; return 1; }
+            ninc=$((ninc + 1))
+            echo "VMMSC-INFO 19 iteration=$i restored=no refused='$(grep -io '[^:]*incomplete.*' $L/s19-restore-$i.log | head -n1 | tr -d '\r' | cut -c1-100)'"
+        fi
+        rm -rf $S19DIR $clone
+        i=$((i + 1))
+    done
+    # Every iteration's file, from a fresh boot on the image.
+    vm_start s19-final 5 $SOCK "file=$img" "l2.scenario=s19loop l2.tag=$i" "mem=192M" || return 1
+    until_ 120 grep -qE 'GUEST-S19-READY|GUEST-FAIL' $L/s19-final.log || true
+    vm_tell s19-final 5 alive || { vmm_end s19-final "$t" 1 GUEST-NEVER "no GUEST-CMD"; chain_out "$img" s19; return 1; }
+    vmm_end s19-final "$t" 1 GUEST-NEVER
+    chain_out "$img" s19
+    echo "VMMSC-INFO 19 iters=$iters restored=$nok refused_incomplete=$ninc checks_rc3=$rc3 chain=$(chain_of "$img" | wc -l)"
+    booted_ok s19-final || return 1
+    chain_check "$img" "0 3" || return 1
+    note="$iters kill -9s at 0..$maxms ms into the snapshot: $nok restored and answered, $ninc refused as incomplete; every check 0 or 3 (rc3 x$rc3); the final boot read every iteration's file ($(chain_of "$img" | wc -l) files in the chain)"
 }
 
 # out_flush: what the scenario left in /out goes to the host at once, as a tar

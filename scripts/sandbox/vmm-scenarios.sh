@@ -65,6 +65,37 @@
 #                     in the guest runs its handler, the guest powers off
 #                     cleanly, VMM exit 0, check clean, the files written
 #                     before and after the press are in the image
+#  16 snap-continuity VM snapshot (issue 17): the guest prints COUNT n every
+#                     0.1 s; a snapshot of the Running VM is refused and
+#                     changes nothing; pause, snapshot, kill -9 of the source,
+#                     --restore ...,resume=on in a new VMM process: the count
+#                     goes on from where it was (first COUNT within 3 of the
+#                     last before, then one by one, no new boot); the guest
+#                     writes, fsyncs and reads back a file, powers off, exit
+#                     0, check clean; on the host: the chain flattened, e2fsck
+#                     clean, the file there
+#  17 snap-pmem       A synced; pause, snapshot, resume: a restore without the
+#                     pmem override while the source runs is refused naming
+#                     it (snapshot unchanged); the source writes B, powers
+#                     off; restore (no override: the image rolled back): no B
+#                     even after drop_caches, A intact, powers off, exit 0;
+#                     on the host: the chain flattened, e2fsck -fn clean, A
+#                     and no B; the source's chain before the restore has B
+#  18 snap-clones     three VMs restored at once from one snapshot
+#                     (memory_restore_mode=copyonwrite, pmem=[_pmem0@cloneK];
+#                     two by --restore, one by ch-remote restore + resume on
+#                     an empty VMM):
+#                     each writes its own file and lists only its own; the
+#                     snapshot directory and the frozen file byte-identical
+#                     (sha256 of all files) before and after; each clone
+#                     checks clean and names the frozen file as its base
+#  19 snap-kill       VMMSC_SNAP_KILL_ITERS (default 5) kill -9s of the source
+#                     VMM at 0..VMMSC_SNAP_KILL_MAX_MS (default 6000) ms into
+#                     `ch-remote snapshot`, each from a fresh boot on the same
+#                     image: every file of the chain checks 0 or 3, the
+#                     snapshot directory restores (onto a clone) to a guest
+#                     that answers, or is refused as incomplete; a last boot
+#                     reads every iteration's file
 # Guest side: vmm-guest.sh (L2, picks its part from l2.scenario=...); L1
 # side: vmm-l1.sh (the payload's run.sh).
 #
@@ -73,11 +104,14 @@
 #     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
-#   VMMSC_SCENARIOS="1 2 3 4 5 6 7 8 9 10 11 12 13 14 15" (a subset runs only those;
-#     9-15 need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
+#   VMMSC_SCENARIOS="1 2 ... 19" (default all; a subset runs only those;
+#     9-19 need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
 #   VMMSC_TIMEOUT_FACTOR (default 4): each group's L1 timeout is
 #     90 s + FACTOR x the sum of its scenarios' measured times (EST)
 #   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
+#   VMMSC_SNAP_KILL_ITERS (scenario 19's iterations, default 5),
+#     VMMSC_SNAP_KILL_MAX_MS (its kills land 0..this many ms into the
+#     snapshot request, default 6000: writing 192 MiB of RAM took 3-5 s in L1)
 #   VMMSC_S7_REBOOTS (scenario 7 runs each reboot variant this many times,
 #     default 1)
 #   VMMSC_REBOOT_STALL (s, a guest that said GUEST-REBOOTING and has not
@@ -120,7 +154,7 @@ VMM=${VMMSC_VMM:-ch}
 if [ "$VMM" = qemu ]; then
     SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8}
 else
-    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11 12 13 14 15}
+    SCENARIOS=${VMMSC_SCENARIOS:-1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19}
 fi
 SIZE=$((64 * 1048576))  # the images' virtual size
 SIZE6=$((16 * 1048576)) # scenario 6's raw file (L1 reads it whole several times)
@@ -132,13 +166,19 @@ case $VMM in ch | qemu) ;; *) die "VMMSC_VMM must be ch or qemu" ;; esac
 # machine: the VMMSC-RESULT line's time), its GROUP (one L1 boot; keep each
 # group's EST sum under about 100 s), its images in the mkimg case below, host$K
 # here and sc$K in vmm-l1.sh.
-declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign [12]=write-tracking [13]=preallocated [14]=rng-console [15]=power-button)
+declare -A NAME=([1]=write-read [2]=snapshot-rollback [3]=overlays [4]=root-on-pmem [5]=sigkill [6]=raw-discard [7]=reboot-and-sigterm [8]=two-devices [9]=live-api [10]=disk-full [11]=kill-campaign [12]=write-tracking [13]=preallocated [14]=rng-console [15]=power-button [16]=snap-continuity [17]=snap-pmem [18]=snap-clones [19]=snap-kill)
 # EST: the times measured on 2026-11-25 on a busy machine (load 7-8 on 2
 # cores), scaled by 1/3.2, the ratio of that run's total to the 251 s the
 # same scenarios took on an idle machine (scripts/sandbox/README.md has both).
-declare -A EST=([1]=23 [2]=24 [3]=21 [4]=9 [5]=16 [6]=10 [7]=24 [8]=7 [9]=16 [10]=25 [11]=58 [12]=12 [13]=10 [14]=5 [15]=8)
-declare -A GROUP=([1]=a [2]=a [4]=a [5]=a [6]=a [7]=b [8]=b [9]=b [14]=b [15]=b [10]=c [11]=c [3]=d [12]=d [13]=d)
-GROUPS_ORDER="a b c d"
+declare -A EST=([1]=23 [2]=24 [3]=21 [4]=9 [5]=16 [6]=10 [7]=24 [8]=7 [9]=16 [10]=25 [11]=58 [12]=12 [13]=10 [14]=5 [15]=8 [16]=26 [17]=25 [18]=48 [19]=100)
+# Group e (VM snapshot/restore, issue 17) has its own L1 boot, so that a
+# timeout there leaves the other groups' verdicts alone. Its EST are the
+# times measured on 2026-11-26 at load average 2.5-3 on 2 cores (with the
+# restored VMs' serial input working, see scripts/sandbox/README.md); at
+# load 6-7 the same scenarios took 31, 109, 83 and 146 s (17 then also
+# hashed memory-ranges, about 30 s), well inside the 886 s timeout.
+declare -A GROUP=([1]=a [2]=a [4]=a [5]=a [6]=a [7]=b [8]=b [9]=b [14]=b [15]=b [10]=c [11]=c [3]=d [12]=d [13]=d [16]=e [17]=e [18]=e [19]=e)
+GROUPS_ORDER="a b c d e"
 for k in $SCENARIOS; do [ -n "${NAME[$k]:-}" ] && [ -n "${GROUP[$k]:-}" ] || die "unknown scenario $k (VMMSC_SCENARIOS)"; done
 # group_of G: the selected scenarios of group G, in SCENARIOS order.
 group_of() {
@@ -259,6 +299,8 @@ S9_FILES=${VMMSC_S9_FILES:-22}
 S10_BYTES=$S10_BYTES
 S12_BYTES=$S12_BYTES
 S11_ITERS=${VMMSC_KILL_ITERS:-10}
+S19_ITERS=${VMMSC_SNAP_KILL_ITERS:-5}
+S19_MAX_MS=${VMMSC_SNAP_KILL_MAX_MS:-6000}
 S7_REBOOTS=${VMMSC_S7_REBOOTS:-1}
 REBOOT_STALL=${VMMSC_REBOOT_STALL:-45}
 GUEST_VERBOSE=${VMMSC_GUEST_VERBOSE:-0}
@@ -343,6 +385,10 @@ EOF
             13) mkimg s13 ;;
             14) ;; # no image: the guest runs from its initramfs
             15) mkimg s15 ;;
+            16) mkimg s16 ;;
+            17) mkimg s17 ;;
+            18) mkimg s18 ;;
+            19) mkimg s19 ;;
         esac
     done
     done
@@ -647,6 +693,56 @@ host15() {
     fsck_ok s15
     fsame "$flat/s15.raw" /s15-before.txt "s15 before the button" 40000
     fsame "$flat/s15.raw" /s15-after.txt "s15 after the button" 30000
+    [ -z "$hwhy" ]
+}
+
+# Scenarios 16-19 (VM snapshot/restore): the chains L1 sent back in $out/sK/
+# (the top image and the frozen files it names as bases).
+host16() {
+    mkdir -p "$flat/s16"
+    pcheck s16/s16 0 && flatten s16/s16 || return 1
+    fsck_ok s16/s16
+    fsame "$flat/s16/s16.raw" /s16.txt "s16 after restore" 200000
+    [ -z "$hwhy" ]
+}
+host17() {
+    mkdir -p "$flat/s17" "$flat/s17src"
+    pcheck s17/s17 0 && flatten s17/s17 || return 1
+    fsck_ok s17/s17
+    fsame "$flat/s17/s17.raw" /a.txt "s17 A" 150000
+    fsame "$flat/s17/s17.raw" /r.txt "s17 restored" 10000
+    ! has "$flat/s17/s17.raw" /b.txt || hfail "s17 (after the restore): /b.txt, written by the source after the snapshot, is there"
+    # The source's image before the restore: B was written (so its absence
+    # above is the rollback's doing).
+    pcheck s17src/s17 0 && flatten s17src/s17 || return 1
+    fsck_ok s17src/s17
+    fsame "$flat/s17src/s17.raw" /b.txt "s17 B" 120000
+    [ -z "$hwhy" ]
+}
+host18() {
+    mkdir -p "$flat/s18"
+    local k j
+    for k in 1 2 3; do
+        pcheck "s18/s18-clone$k" 0 && flatten "s18/s18-clone$k" || continue
+        fsck_ok "s18/s18-clone$k"
+        fsame "$flat/s18/s18-clone$k.raw" /base.txt "s18 base" 100000
+        fsame "$flat/s18/s18-clone$k.raw" "/clone-$k.txt" "s18 clone $k" 50000
+        for j in 1 2 3; do
+            [ $j = $k ] || ! has "$flat/s18/s18-clone$k.raw" "/clone-$j.txt" || hfail "clone $k has /clone-$j.txt"
+        done
+    done
+    [ -z "$hwhy" ]
+}
+host19() {
+    mkdir -p "$flat/s19"
+    local n j
+    n=$(info_of 19 iters)
+    [ -n "$n" ] || hfail "no iteration count from L1" || return 1
+    pcheck s19/s19 0 3 && flatten s19/s19 || return 1
+    fsck_ok s19/s19
+    for ((j = 1; j <= n + 1; j++)); do
+        fsame "$flat/s19/s19.raw" "/it-$j.txt" "s19 iteration $j" 30000 || break
+    done
     [ -z "$hwhy" ]
 }
 
