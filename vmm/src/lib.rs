@@ -60,6 +60,7 @@ pub mod legacy;
 pub mod machine;
 pub mod pci;
 pub mod pmem_threads;
+pub mod seccomp_filters;
 pub mod snapshot;
 pub mod testguest;
 pub mod vcpu;
