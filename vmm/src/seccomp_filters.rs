@@ -137,6 +137,7 @@ const COMMON: &[i64] = &[
 
 /// Waiting on eventfds and epoll sets.
 const EVENTS: &[i64] = &[
+    libc::SYS_epoll_create1,
     libc::SYS_epoll_ctl,
     libc::SYS_epoll_pwait,
     libc::SYS_epoll_wait,
@@ -202,6 +203,17 @@ const NAMES: &[i64] = &[
     libc::SYS_statfs,
     libc::SYS_unlinkat,
     libc::SYS_umask,
+    // The same through glibc's older entry points (std's remove_file,
+    // rename, create_dir and metadata use these on x86_64).
+    libc::SYS_access,
+    libc::SYS_link,
+    libc::SYS_lstat,
+    libc::SYS_mkdir,
+    libc::SYS_readlink,
+    libc::SYS_rename,
+    libc::SYS_rmdir,
+    libc::SYS_stat,
+    libc::SYS_unlink,
 ];
 
 /// The VMM thread's own extras: KVM and userfaultfd set-up, signals,
@@ -216,6 +228,15 @@ const VMM_EXTRA: &[i64] = &[
     libc::SYS_timerfd_create,
     libc::SYS_timerfd_settime,
     libc::SYS_userfaultfd,
+];
+
+/// Opening and looking at a file without changing anything.
+const LOOKUPS: &[i64] = &[
+    libc::SYS_fstat,
+    libc::SYS_newfstatat,
+    libc::SYS_openat,
+    libc::SYS_readlinkat,
+    libc::SYS_statx,
 ];
 
 /// The API server: the listening socket and its connections.
@@ -233,17 +254,32 @@ const SOCKETS: &[i64] = &[
     libc::SYS_shutdown,
 ];
 
+/// Creating a listening socket (the VMM thread's chardev sockets).
+const CHARDEV_SOCKET: &[i64] = &[libc::SYS_bind, libc::SYS_listen, libc::SYS_socket];
+
 /// The system calls a kind of thread may make.
 pub fn allowed(kind: ThreadKind) -> Vec<i64> {
     let parts: &[&[i64]] = match kind {
         // The VMM thread's filter is inherited by every thread it spawns,
-        // so it holds theirs too (sockets excepted: the API server starts
-        // before it).
-        ThreadKind::Vmm => &[COMMON, EVENTS, SPAWN, IMAGE_IO, NAMES, VMM_EXTRA],
-        ThreadKind::Vcpu => &[COMMON, EVENTS, &[libc::SYS_ioctl]],
+        // so it holds theirs too. Its sockets are `--serial socket=` and
+        // `--console socket=`: the control loop binds and accepts them.
+        ThreadKind::Vmm => &[
+            COMMON,
+            EVENTS,
+            SPAWN,
+            IMAGE_IO,
+            NAMES,
+            VMM_EXTRA,
+            SOCKETS,
+            CHARDEV_SOCKET,
+        ],
+        // fcntl: the serial port's output toggles O_NONBLOCK.
+        ThreadKind::Vcpu => &[COMMON, EVENTS, &[libc::SYS_ioctl, libc::SYS_fcntl]],
         ThreadKind::PmemQueue => &[COMMON, EVENTS, IMAGE_IO, NAMES],
         // The acceptor spawns one thread per connection.
-        ThreadKind::HttpApi => &[COMMON, EVENTS, SPAWN, SOCKETS],
+        // A request's paths are checked there (a FIFO given as a pmem file
+        // is refused without blocking), hence the lookups.
+        ThreadKind::HttpApi => &[COMMON, EVENTS, SPAWN, SOCKETS, LOOKUPS],
         ThreadKind::Chardev => &[COMMON, &[libc::SYS_fsync, libc::SYS_fdatasync]],
         ThreadKind::EventMonitor => &[COMMON],
     };
@@ -299,7 +335,21 @@ pub fn init(mode: Seccomp) -> Result<(), SeccompError> {
             programs.insert(kind, program(kind, action.clone())?);
         }
     }
-    PROGRAMS.set(programs).map_err(|_| SeccompError::AlreadySet)
+    PROGRAMS
+        .set(programs)
+        .map_err(|_| SeccompError::AlreadySet)?;
+    match mode {
+        Seccomp::False => log::info!("--seccomp false: no thread installs a seccomp filter"),
+        Seccomp::True | Seccomp::Log | Seccomp::Errno => {
+            let word = match mode {
+                Seccomp::Log => "log",
+                Seccomp::Errno => "errno",
+                _ => "true",
+            };
+            log::info!("--seccomp {word}: each thread installs its seccomp filter as it starts")
+        }
+    }
+    Ok(())
 }
 
 /// Installs `kind`'s filter on the calling thread (nothing before [`init`]
