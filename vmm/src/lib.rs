@@ -56,6 +56,7 @@ pub mod device_tree;
 pub mod event_monitor;
 pub mod health;
 pub mod irq;
+pub mod landlock_rules;
 pub mod legacy;
 pub mod machine;
 pub mod pci;

@@ -217,10 +217,13 @@ const NAMES: &[i64] = &[
 ];
 
 /// The VMM thread's own extras: KVM and userfaultfd set-up, signals,
-/// timers, descriptors.
+/// timers, descriptors, Landlock (`--landlock` confines it at vm.create).
 const VMM_EXTRA: &[i64] = &[
     libc::SYS_dup,
     libc::SYS_dup3,
+    libc::SYS_landlock_add_rule,
+    libc::SYS_landlock_create_ruleset,
+    libc::SYS_landlock_restrict_self,
     libc::SYS_memfd_create,
     libc::SYS_pipe2,
     libc::SYS_prlimit64,
