@@ -11,7 +11,8 @@
 //! files and their temporary names are created beside it); every base of a
 //! pcow chain (read); serial and console files and sockets (their
 //! directory, as they may be created); the rng source; `/dev/kvm`,
-//! `/dev/userfaultfd` when present, `/dev/urandom` and `/proc/self`.
+//! `/dev/userfaultfd` when present, `/dev/urandom`, `/proc/self` and
+//! `/proc/sys/vm/max_map_count`.
 //!
 //! Landlock domains only narrow: a second VM in the same process (after
 //! `vm.delete`) stays within the first one's rules. Threads that were
@@ -209,6 +210,8 @@ pub fn vm_rules(config: &VmConfig) -> Result<Vec<LandlockRule>, LandlockError> {
     add("/dev/kvm".into(), RuleAccess::RW);
     add("/dev/urandom".into(), RuleAccess::R);
     add("/proc/self".into(), RuleAccess::R);
+    // The device sizes its mapping budget from it.
+    add("/proc/sys/vm/max_map_count".into(), RuleAccess::R);
     if Path::new("/dev/userfaultfd").exists() {
         add("/dev/userfaultfd".into(), RuleAccess::RW);
     }
