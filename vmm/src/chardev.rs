@@ -21,6 +21,7 @@
 //! boot and kept across reboots (a pty keeps its path), and closed when
 //! the VM is deleted or the VMM exits.
 
+use crate::seccomp_filters::{self, ThreadKind};
 use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::fs::{File, OpenOptions};
@@ -339,6 +340,14 @@ fn count_dropped(name: &str, stats: &mut OutputStats, n: u64, why: &str) {
 }
 
 fn writer(s: &OutShared) {
+    if let Err(e) = seccomp_filters::apply(ThreadKind::Chardev) {
+        log::error!(
+            "{}: {}; no output is written",
+            s.name,
+            error_report::chain(&e)
+        );
+        return;
+    }
     let mut chunk = Vec::with_capacity(16 * 1024);
     loop {
         {

@@ -8,6 +8,7 @@
 //! up. At most [`QUEUE`] events wait; beyond that they are dropped and
 //! counted (logged once the writer catches up).
 
+use crate::seccomp_filters::{self, ThreadKind};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
@@ -61,6 +62,13 @@ pub fn start(mut file: File) -> Result<(), EventMonitorError> {
     std::thread::Builder::new()
         .name("event-monitor".into())
         .spawn(move || {
+            if let Err(e) = seccomp_filters::apply(ThreadKind::EventMonitor) {
+                log::warn!(
+                    "event monitor: {}: no events are written",
+                    error_report::chain(&e)
+                );
+                return;
+            }
             for text in rx {
                 let written = file
                     .write_all(text.as_bytes())

@@ -18,9 +18,10 @@ use std::time::Duration;
 
 use vmm::api::{self, http::HttpServer};
 use vmm::config::cli::{self, Action, ApiSocket, CommandLine};
-use vmm::config::options::{EventMonitor, Seccomp};
+use vmm::config::options::EventMonitor;
 use vmm::config::ConsoleOutputMode;
 use vmm::control::{self, Inputs};
+use vmm::seccomp_filters::{self, ThreadKind};
 use vmm::snapshot::restore::RestoreRequest;
 use vmm::vmm::{Vmm, VmmExit};
 use vmm_sys_util::terminal::Terminal;
@@ -93,7 +94,7 @@ impl std::fmt::Display for CliExit {
 impl std::error::Error for CliExit {}
 
 /// The logger (standard error, or `--log-file`), the event monitor
-/// (`--event-monitor`), and the truth about `--seccomp`.
+/// (`--event-monitor`), and the `--seccomp` filters.
 fn start_outputs(cl: &CommandLine) -> Result<()> {
     let mut logger = env_logger::Builder::new();
     logger
@@ -121,13 +122,9 @@ fn start_outputs(cl: &CommandLine) -> Result<()> {
         };
         vmm::event_monitor::start(file).context("--event-monitor")?;
     }
-    if cl.seccomp != Seccomp::False {
-        // Info, not a warning on every start: upstream's default is `true`.
-        log::info!(
-            "--seccomp {:?}: this VMM installs no seccomp filter yet; its threads run unfiltered",
-            cl.seccomp
-        );
-    }
+    // Before the first thread (the event monitor's) starts: each thread
+    // installs its own list as it starts.
+    seccomp_filters::init(cl.seccomp).context("--seccomp")?;
     vmm::event_monitor::event("vmm", "starting", &[]);
     Ok(())
 }
@@ -228,6 +225,10 @@ fn run() -> Result<()> {
         }
         None => (None, None),
     };
+    // The VMM thread confines itself before it creates, boots or restores
+    // anything: every thread it spawns from here on inherits this filter
+    // (the device crate's fault and pool threads included) and narrows it.
+    seccomp_filters::apply(ThreadKind::Vmm).context("--seccomp")?;
     let mut vmm = Vmm::new(inputs, receiver);
     let _raw = RawTerminal::new(tty);
     if let Some(c) = config {

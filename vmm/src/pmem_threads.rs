@@ -28,6 +28,7 @@
 //! thread. Stop the vCPUs before either, so that no vCPU is left blocked
 //! in a fault nobody serves.
 
+use crate::seccomp_filters::{self, ThreadKind};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -170,6 +171,14 @@ fn serve_queues(
     notify: &[EventFd],
     alerts: &DeviceAlerts,
 ) {
+    if let Err(e) = seccomp_filters::apply(ThreadKind::PmemQueue) {
+        log::error!(
+            "{}: {}; the queue is not served",
+            name(),
+            error_report::chain(&e)
+        );
+        return;
+    }
     let mut events = vec![EpollEvent::default(); notify.len() + 1];
     loop {
         let n = match epoll.wait(-1, &mut events) {

@@ -56,6 +56,7 @@ use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 // Issue 17: state capture and restore requests served by paused vCPUs.
+use crate::seccomp_filters::{self, ThreadKind};
 use crate::snapshot::cpu_state::{
     CpuStateContext, CpuStateError, StateReply, StateRequest, VcpuState,
 };
@@ -111,6 +112,12 @@ pub enum VcpuError {
         id: u8,
         #[source]
         source: std::io::Error,
+    },
+    #[error("vCPU {id}: its seccomp filter")]
+    Seccomp {
+        id: u8,
+        #[source]
+        source: crate::seccomp_filters::SeccompError,
     },
     #[error("the thread of vCPU {0} panicked")]
     Panicked(u8),
@@ -725,6 +732,10 @@ impl Vcpu {
         let _mark = ExitMark(ctl, idx);
         let mut stats = VcpuStats::default();
         let id = self.id;
+        // Installed here, after the mark: a refusal ends the run as any
+        // failure does (Exited, reported by the join).
+        seccomp_filters::apply(ThreadKind::Vcpu)
+            .map_err(|source| VcpuError::Seccomp { id, source })?;
         loop {
             let vcpu: &Vcpu = self;
             match ctl.may_run_serving(idx, &mut stats, &mut |req| req.serve(vcpu)) {

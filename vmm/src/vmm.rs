@@ -42,6 +42,7 @@ use crate::config::{PmemConfig, VmConfig, MAX_VCPUS};
 use crate::control::{self, Inputs, Outcome};
 use crate::event_monitor::event;
 use crate::health::OutOfSpace;
+use crate::landlock_rules::{vm_rules, Confinement};
 use crate::machine::{Machine, Pmem};
 use crate::snapshot::restore::RestoreRequest;
 use crate::snapshot::{capture, restore_machine};
@@ -95,6 +96,9 @@ pub struct Vmm {
     inputs: Inputs,
     api: Option<ApiReceiver>,
     exit: Option<VmmExit>,
+    /// The Landlock rules this VMM restricted itself to (`--landlock`):
+    /// for good once set.
+    confinement: Option<Confinement>,
 }
 
 fn snapshot_json(s: &pcow::SnapshotInfo) -> Value {
@@ -118,6 +122,32 @@ impl Vmm {
             inputs,
             api,
             exit: None,
+            confinement: None,
+        }
+    }
+
+    /// With `landlock_enable`, restricts the VMM thread (and the threads it
+    /// spawns from now on) to what `config` needs, once per process.
+    fn confine(&mut self, config: &VmConfig) -> Result<(), VmmError> {
+        if !config.landlock_enable || self.confinement.is_some() {
+            return Ok(());
+        }
+        let rules = vm_rules(config).map_err(VmmError::Landlock)?;
+        let c = Confinement::restrict(rules).map_err(VmmError::Landlock)?;
+        log::info!("--landlock: the VMM is confined to its VM's files and the rules given");
+        self.confinement = Some(c);
+        Ok(())
+    }
+
+    /// Refuses a new path outside the Landlock rules, naming it (the
+    /// kernel would only say "Permission denied").
+    fn check_landlock(&self, what: &'static str, path: &Path) -> Result<(), VmmError> {
+        match &self.confinement {
+            Some(c) if !c.allows(path, true) => Err(VmmError::OutsideLandlock {
+                what,
+                path: path.to_owned(),
+            }),
+            _ => Ok(()),
         }
     }
 
@@ -158,6 +188,7 @@ impl Vmm {
             )));
         }
         config.validate().map_err(VmmError::InvalidConfig)?;
+        self.confine(&config)?;
         self.vm = Some(Vm {
             config,
             state: VmState::Created,
@@ -337,6 +368,7 @@ impl Vmm {
         }
         let dir = capture::destination_path(destination_url)
             .map_err(|e| VmmError::Snapshot(Box::new(e)))?;
+        self.check_landlock("vm.snapshot: destination", &dir)?;
         let discarding: Vec<String> = vm
             .config
             .pmem()
@@ -382,6 +414,8 @@ impl Vmm {
             t.pmem,
             t.machine
         );
+        // The restored VM's files are open: confine to its config from here.
+        self.confine(&r.config)?;
         self.vm = Some(Vm {
             config: r.config,
             state: VmState::Paused,
@@ -694,6 +728,7 @@ impl Vmm {
             ));
         };
         let region = p.pcow().ok_or_else(|| VmmError::NotPcow(r.id.clone()))?;
+        self.check_landlock("vm.pmem-overlay: file", Path::new(&r.file))?;
         let info = region
             .overlay(Path::new(&r.file))
             .map_err(VmmError::Overlay)?;

@@ -71,6 +71,14 @@ pub enum VmmError {
     RawFile { id: String, file: PathBuf },
     #[error("{0} is not a pcow device")]
     NotPcow(String),
+    #[error("--landlock: confining the VMM")]
+    Landlock(#[source] crate::landlock_rules::LandlockError),
+    #[error(
+        "{what} {}: the path is outside the VMM's Landlock rules (--landlock); add its \
+         directory with --landlock-rules path=DIR,access=rw",
+        path.display()
+    )]
+    OutsideLandlock { what: &'static str, path: PathBuf },
     #[error(
         "pmem {id} has discard_writes: {what} is refused (the image is never \
          written, the guest's writes are discarded); remove the device or use \

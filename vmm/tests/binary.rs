@@ -334,7 +334,18 @@ fn options_we_cannot_honour_are_refused_by_name() {
         (vec!["--balloon", "size=1G"], vec!["`balloon` (--balloon)"]),
         (vec!["--rtc"], vec!["`rtc` (--rtc)"]),
         (vec!["--watchdog"], vec!["`watchdog`"]),
-        (vec!["--landlock"], vec!["--landlock", "not supported"]),
+        (
+            vec![
+                "--landlock",
+                "--landlock-rules",
+                "path=/no/such/dir,access=r",
+            ],
+            vec![
+                "`landlock_rules` (--landlock-rules)",
+                "/no/such/dir",
+                "does not exist",
+            ],
+        ),
         (vec!["--cpus", "boot=1,nested=off"], vec!["`cpus.nested`"]),
         (
             vec!["--platform", "uuid=abc"],

@@ -143,7 +143,10 @@ fn inherited_api_socket_event_monitor_and_log_file() {
     assert_eq!(names, want);
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(log.contains("inherited fd"), "{log}");
-    assert!(log.contains("no seccomp filter"), "{log}");
+    assert!(
+        log.contains("--seccomp true: each thread installs its seccomp filter"),
+        "{log}"
+    );
 }
 
 #[test]

@@ -93,6 +93,52 @@ impl Vmm {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Every thread of the VMM runs under a seccomp filter (the default
+    /// `--seccomp true`): mode 2 in its /proc status. vCPU and pmem queue
+    /// threads stack their own list on the VMM thread's (2 filters).
+    /// Returns the thread names seen.
+    fn assert_filtered(&self) -> Vec<String> {
+        let task = PathBuf::from(format!("/proc/{}/task", self.child.id()));
+        let mut names = Vec::new();
+        for t in std::fs::read_dir(&task).unwrap() {
+            let t = t.unwrap().path();
+            let (Ok(comm), Ok(status)) = (
+                std::fs::read_to_string(t.join("comm")),
+                std::fs::read_to_string(t.join("status")),
+            ) else {
+                continue; // the thread ended meanwhile
+            };
+            let comm = comm.trim().to_owned();
+            let field = |key: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(key))
+                    .map(|v| v.trim().to_owned())
+                    .unwrap_or_default()
+            };
+            assert_eq!(field("Seccomp:"), "2", "thread {comm} unfiltered");
+            let filters: u32 = field("Seccomp_filters:").parse().unwrap();
+            let own = comm.starts_with("vcpu") || comm.ends_with("-queue");
+            assert!(filters >= if own { 2 } else { 1 }, "{comm}: {filters}");
+            names.push(comm);
+        }
+        names
+    }
+
+    /// [`Vmm::assert_filtered`] until threads named `want` are all there
+    /// (a new thread names itself, a moment after it starts).
+    fn wait_filtered(&self, want: &[&str]) {
+        let t0 = Instant::now();
+        loop {
+            let threads = self.assert_filtered();
+            if want.iter().all(|w| threads.iter().any(|n| n == w)) {
+                return;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "{threads:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
 
 impl Drop for Vmm {
@@ -192,6 +238,7 @@ fn snapshot_restore_clones_rollback_and_refusals() {
         "not running",
     );
     a.ok("vm.boot", None);
+    a.wait_filtered(&["vcpu0", "vcpu1", "pmem0-queue", "pmem0-fault", "http-api"]);
     a.refused(
         "vm.snapshot",
         json!({"destination_url": url(&snap)}),
@@ -276,6 +323,8 @@ fn snapshot_restore_clones_rollback_and_refusals() {
     );
     b.ok("vm.resume", None);
     assert_eq!(b.info()["state"], "Running");
+    // Restored through the API: its threads are filtered as well.
+    b.wait_filtered(&["vcpu0", "vcpu1", "pmem0-queue", "pmem0-fault"]);
     let (st, pinfo) = call(&b.sock, "GET", "vm.pmem-info", None);
     assert_eq!(st, 200, "{pinfo}");
     assert!(pinfo.contains("clone1.pcow"), "{pinfo}");
@@ -306,6 +355,7 @@ fn snapshot_restore_clones_rollback_and_refusals() {
         assert!(t0.elapsed() < Duration::from_secs(20), "{}", c.log());
         std::thread::sleep(Duration::from_millis(20));
     }
+    c.assert_filtered();
     drop(c);
     drop(b);
 

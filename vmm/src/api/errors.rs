@@ -53,6 +53,8 @@ pub fn status(e: &VmmError) -> u16 {
         | VmmError::RawFile { .. }
         | VmmError::NotPcow(_)
         | VmmError::Discarding { .. } => 400,
+        // Upstream answers a Landlock refusal as any other failure.
+        VmmError::Landlock(_) | VmmError::OutsideLandlock { .. } => 500,
         VmmError::AddPmem(v) => match v {
             ValidationError::DuplicateId(_) | ValidationError::PmemSameFile { .. } => 409,
             _ => 400,

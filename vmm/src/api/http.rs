@@ -15,6 +15,7 @@
 //! `flock`ed for the server's life) stops a second VMM from taking the
 //! socket; a socket file left by a VMM that died is replaced.
 
+use crate::seccomp_filters::{self, ThreadKind};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::fd::{FromRawFd, RawFd};
@@ -315,6 +316,11 @@ fn accept_loop(
     in_flight: Arc<AtomicUsize>,
     limits: Limits,
 ) {
+    // The connection threads spawned below inherit this filter.
+    if let Err(e) = seccomp_filters::apply(ThreadKind::HttpApi) {
+        log::error!("API: {}; no request is served", error_report::chain(&e));
+        return;
+    }
     let active = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         let mut stream = match stream {

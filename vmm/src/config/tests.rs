@@ -1001,9 +1001,8 @@ fn validate_unsupported_only_at_default() {
         ),
         (
             "/landlock_rules",
-            json!([{"path": "/", "access": "r"}]),
-            "`landlock_rules` (--landlock-rules): this VMM has no Landlock confinement; \
-             remove it",
+            json!([{"path": "/", "access": "x"}]),
+            "`landlock_rules` (--landlock-rules)",
         ),
         (
             "/pvmemcontrol",
@@ -1018,9 +1017,18 @@ fn validate_unsupported_only_at_default() {
     ] {
         assert_eq!(set(path, value), Err(msg.into()), "{path}");
     }
-    assert!(set("/landlock_enable", json!(true))
-        .unwrap_err()
-        .contains("Landlock confinement is not supported"));
+    // Landlock is accepted, with well-formed rules on existing paths.
+    assert_eq!(set("/landlock_enable", json!(true)), Ok(()));
+    assert_eq!(
+        set("/landlock_rules", json!([{"path": "/", "access": "rw"}])),
+        Ok(())
+    );
+    assert!(set(
+        "/landlock_rules",
+        json!([{"path": "/no/such", "access": "r"}])
+    )
+    .unwrap_err()
+    .contains("`landlock_rules` (--landlock-rules)"));
     // Upstream's defaults, and values that describe what this VMM does.
     for (path, value) in [
         ("/disks", json!([])),
@@ -1232,15 +1240,15 @@ fn device_options_parse_with_upstream_keys_then_validation_names_them() {
             "--generic-vhost-user socket=/s,device_type=1,queue_sizes=[1]",
             "`generic_vhost_user` (--generic-vhost-user)",
         ),
-        (
-            "--landlock-rules path=/,access=r",
-            "`landlock_rules` (--landlock-rules)",
-        ),
     ] {
         let e = validated(args).unwrap_err();
         assert!(e.starts_with(msg), "{args}: {e}");
         assert!(e.contains("this VMM has no"), "{args}: {e}");
     }
+    assert_eq!(
+        validated("--landlock-rules path=/,access=q").unwrap_err(),
+        "`landlock_rules` (--landlock-rules)"
+    );
     for (args, field) in [
         ("--pvpanic", "pvpanic"),
         ("--watchdog", "watchdog"),
@@ -1273,9 +1281,7 @@ fn device_options_parse_with_upstream_keys_then_validation_names_them() {
         let e = validated(args).unwrap_err();
         assert!(e.starts_with(&format!("`{field}` = ")), "{args}: {e}");
     }
-    assert!(validated("--landlock")
-        .unwrap_err()
-        .contains("Landlock confinement is not supported"));
+    assert!(validated("--landlock --landlock-rules path=/,access=r").is_ok());
     // What this VMM does anyway is accepted.
     for args in [
         "--cpus boot=2,max=4",

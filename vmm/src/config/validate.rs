@@ -10,9 +10,8 @@
 //!   (*ours*: upstream has the feature). A device this VMM does not have
 //!   (`disks`, `net`, `balloon`, ...) is refused unless absent, `null` or an
 //!   empty list, with an error naming the field and its option;
-//! - `landlock_enable` is refused (*ours*): confinement is not supported
-//!   yet, and running unconfined when confinement was asked for is worse
-//!   than not running;
+//! - `landlock_rules`: each `{path, access}` with an existing path and
+//!   `access` `r`, `w` or `rw` (as upstream);
 //! - `boot_vcpus` 1..=254 and `max_vcpus >= boot_vcpus`; with `max_vcpus >
 //!   boot_vcpus` the guest gets `boot_vcpus` (*ours*: there is no vCPU
 //!   hot-plug, `max_vcpus` is only kept in the config);
@@ -75,11 +74,8 @@ pub enum ValidationError {
         option: &'static str,
         what: &'static str,
     },
-    #[error(
-        "`landlock_enable` (--landlock): Landlock confinement is not supported by this VMM \
-         yet; refusing to run unconfined when confinement was asked for"
-    )]
-    Landlock,
+    #[error("`landlock_rules` (--landlock-rules)")]
+    Landlock(#[source] crate::landlock_rules::LandlockError),
     #[error("cpus: boot_vcpus {0} must be from 1 to {MAX_VCPUS}")]
     BootVcpus(u8),
     #[error("cpus: max_vcpus {max} must be from boot_vcpus ({boot}) to {MAX_VCPUS}")]
@@ -290,7 +286,6 @@ const NO_DEVICE: &[(&str, &str, &str)] = &[
     ("rtc", "--rtc", "virtio-rtc device"),
     ("tpm", "--tpm", "TPM device"),
     ("ivshmem", "--ivshmem", "ivshmem device"),
-    ("landlock_rules", "--landlock-rules", "Landlock confinement"),
     ("memory.zones", "--memory-zone", "memory zones"),
 ];
 
@@ -461,10 +456,9 @@ impl VmConfig {
     }
 
     fn check_unsupported(&self) -> Result<()> {
-        if self.landlock_enable {
-            return Err(ValidationError::Landlock);
-        }
-        let devices: [&Option<Value>; 17] = [
+        crate::landlock_rules::parse_rules(&self.landlock_rules)
+            .map_err(ValidationError::Landlock)?;
+        let devices: [&Option<Value>; 16] = [
             &self.rate_limit_groups,
             &self.disks,
             &self.net,
@@ -480,7 +474,6 @@ impl VmConfig {
             &self.rtc,
             &self.tpm,
             &self.ivshmem,
-            &self.landlock_rules,
             &self.memory.zones,
         ];
         for (entry, v) in NO_DEVICE.iter().zip(devices) {

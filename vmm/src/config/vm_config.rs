@@ -1010,10 +1010,10 @@ pub struct VmConfig {
     /// TPM (not supported).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm: Option<Value>,
-    /// Landlock confinement (not supported: false).
+    /// Landlock confinement of the VMM once the VM's config is known.
     #[serde(default)]
     pub landlock_enable: bool,
-    /// Landlock rules (not supported: absent or empty).
+    /// Extra Landlock rules: `[{"path": .., "access": "r"|"w"|"rw"}]`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub landlock_rules: Option<Value>,
     /// ivshmem (upstream's `ivshmem` build feature; not supported).
