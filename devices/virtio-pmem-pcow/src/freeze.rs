@@ -39,14 +39,14 @@ use std::time::{Duration, Instant};
 
 use pcow::format::MAX_CHAIN_DEPTH;
 use pcow::replace::{is_temp_name, remove_stale_temps, sync_dir, temp_name, TempPurpose};
-use pcow::{
-    BaseFormat, BaseRef, ClusterSource, CreateOptions, FileIdentity, Image, LiveImage, OpenOptions,
-};
+use pcow::{BaseFormat, BaseRef, CreateOptions, FileIdentity, Image, LiveImage, OpenOptions};
 
 use crate::barrier::{barrier_locked, BarrierError, BarrierStats};
 use crate::clusters::FileRun;
 use crate::health::Failure;
-use crate::overlay::{release_switch, resume_on, shared_runs, top_file, OverlayError};
+use crate::overlay::{
+    release_switch, remap_private, resume_on, shared_runs, top_file, OverlayError,
+};
 use crate::quiesce::{hold, Quiesce};
 use crate::state::{NoImage, RegionState, Shared, Writable};
 
@@ -135,6 +135,7 @@ impl From<OverlayError> for FreezeError {
     fn from(e: OverlayError) -> Self {
         match e {
             OverlayError::Layout { vcn, what } => FreezeError::Layout { vcn, what },
+            OverlayError::Remap { vcn, end, source } => FreezeError::Remap { vcn, end, source },
             OverlayError::NoImage(n) => FreezeError::NoImage(n),
             other => FreezeError::Layout {
                 vcn: 0,
@@ -425,32 +426,7 @@ fn switch(
             });
         }
         let base_fd = base_file.as_raw_fd();
-        // The overlay must show each run's first cluster where the old top
-        // had it (the rest of a run follows from the same file layout).
-        for r in runs {
-            let want = ClusterSource::ReadOnly {
-                depth: 1,
-                offset: r.offset,
-            };
-            let got = img.cluster_source(r.vcn);
-            if got != want {
-                return Err(FreezeError::Layout {
-                    vcn: r.vcn,
-                    what: format!("the overlay shows {got:?}, expected {want:?}"),
-                });
-            }
-        }
-        for r in runs {
-            st.view
-                .map_clusters(r.vcn, r.end, base_fd, r.offset, false)
-                .map_err(|source| FreezeError::Remap {
-                    vcn: r.vcn,
-                    end: r.end,
-                    source,
-                })?;
-            remapped.push(*r);
-            st.tracking.track(&st.view, r.vcn, r.end);
-        }
+        remap_private(st, img, runs, base_fd, &mut remapped)?;
         injected(FreezeStep::Remapped)?;
         img.rename_in_dir(&plan.top)
             .map_err(img_err(&plan.temp, "renaming the overlay over the image"))?;

@@ -324,32 +324,7 @@ fn switch(st: &mut RegionState, plan: &OverlayPlan, runs: &[FileRun]) -> Result<
                 vcn: 0,
                 what: "the overlay's chain has no base file".into(),
             })?;
-        // The overlay must show each run's first cluster where the old top
-        // had it (the rest of a run follows from the same file layout).
-        for r in runs {
-            let want = ClusterSource::ReadOnly {
-                depth: 1,
-                offset: r.offset,
-            };
-            let got = img.cluster_source(r.vcn);
-            if got != want {
-                return Err(OverlayError::Layout {
-                    vcn: r.vcn,
-                    what: format!("the overlay shows {got:?}, expected {want:?}"),
-                });
-            }
-        }
-        for r in runs {
-            st.view
-                .map_clusters(r.vcn, r.end, base_fd, r.offset, false)
-                .map_err(|source| OverlayError::Remap {
-                    vcn: r.vcn,
-                    end: r.end,
-                    source,
-                })?;
-            remapped.push(*r);
-            st.tracking.track(&st.view, r.vcn, r.end);
-        }
+        remap_private(st, img, runs, base_fd, &mut remapped)?;
         Ok(())
     })();
     match result {
@@ -425,6 +400,46 @@ fn recover(
     };
     resume_on(st, img, remapped, "overlay");
     cause
+}
+
+/// Hands the old top's shared `runs` over to the overlay `img`: once the
+/// overlay shows each run's first cluster where the old top had it (the
+/// rest of a run follows from the same file layout), each run is mapped
+/// `MAP_PRIVATE` from `base_fd` (the overlay's depth-1 file: the same
+/// bytes, now read-only history) and tracked for the barriers. What was
+/// remapped is pushed to `remapped`, for a failure to map back.
+pub(crate) fn remap_private(
+    st: &mut RegionState,
+    img: &LiveImage,
+    runs: &[FileRun],
+    base_fd: std::os::fd::RawFd,
+    remapped: &mut Vec<FileRun>,
+) -> Result<(), OverlayError> {
+    for r in runs {
+        let want = ClusterSource::ReadOnly {
+            depth: 1,
+            offset: r.offset,
+        };
+        let got = img.cluster_source(r.vcn);
+        if got != want {
+            return Err(OverlayError::Layout {
+                vcn: r.vcn,
+                what: format!("the overlay shows {got:?}, expected {want:?}"),
+            });
+        }
+    }
+    for r in runs {
+        st.view
+            .map_clusters(r.vcn, r.end, base_fd, r.offset, false)
+            .map_err(|source| OverlayError::Remap {
+                vcn: r.vcn,
+                end: r.end,
+                source,
+            })?;
+        remapped.push(*r);
+        st.tracking.track(&st.view, r.vcn, r.end);
+    }
+    Ok(())
 }
 
 /// After a failed switch (a live overlay, a freeze): releases the
