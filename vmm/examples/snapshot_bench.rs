@@ -220,11 +220,10 @@ impl Prepared {
         }
         for off in (PMEM_WRITTEN_AT..PMEM_WRITTEN_AT + PMEM_WRITTEN).step_by(CHUNK) {
             fill(&mut buf, off ^ 0xd1e7);
-            // SAFETY: the region maps `region.len()` bytes at `host_addr()`
-            // for as long as the machine lives (it is borrowed here), and
-            // `off + CHUNK` is within it (checked above). Host writes race
-            // nothing: the halting guest never touches the region, and a
-            // fault on it is served by the device's fault thread.
+            // Host writes race nothing: the halting guest never touches the
+            // region, and a fault on it is served by the device's fault thread.
+            // SAFETY: the region maps `region.len()` bytes at `host_addr()` while
+            // the machine lives, and `off + CHUNK` is within it (checked above).
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     buf.as_ptr(),

@@ -464,10 +464,11 @@ extern "C" fn on_sigsys(_sig: libc::c_int, _info: *mut libc::siginfo_t, ctx: *mu
     let kind = KIND.with(|k| k.get());
     let mut buf = [0u8; 256];
     let len = report_line(kind, nr, a0, a1, &mut buf);
-    // SAFETY: writes `len` initialised bytes of `buf` to fd 2; then resets
-    // SIGSYS to its default action and sends it to this thread: it stays
-    // pending (blocked inside its own handler) and kills the process as
-    // this handler returns. All are raw, async-signal-safe system calls.
+    // Then SIGSYS, reset to its default action, is sent to this thread: it
+    // stays pending (blocked in its own handler) and kills the process as
+    // the handler returns.
+    // SAFETY: `len` initialised bytes of `buf` to fd 2, then raw,
+    // async-signal-safe system calls with valid arguments.
     unsafe {
         libc::write(2, buf.as_ptr().cast(), len);
         libc::signal(libc::SIGSYS, libc::SIG_DFL);
