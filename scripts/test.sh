@@ -11,7 +11,16 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 current="start"
-step() { current=$*; printf '\n==> %s\n' "$*"; }
+t_start=$SECONDS
+t_step=$SECONDS
+# Each step prints how long the previous one took, so CI's log shows where
+# the time goes.
+step() {
+    [ "$current" = start ] || printf '(%s: %d s)\n' "$current" $((SECONDS - t_step))
+    current=$*
+    t_step=$SECONDS
+    printf '\n==> %s\n' "$*"
+}
 die() { printf 'test.sh: error: %s\n' "$*" >&2; exit 1; }
 on_exit() {
     local rc=$?
@@ -102,4 +111,4 @@ scripts/sandbox/selftest.sh
 step "nested sandbox: cloud-hypervisor scenarios with real Linux guests"
 scripts/sandbox/vmm-scenarios.sh
 
-step "all tests passed"
+step "all tests passed in $((SECONDS - t_start)) s"

@@ -126,6 +126,8 @@
 #   VMMSC_RECHECK="LOG..."  no build, no L1: only the host-side checks again, on
 #                    the images the last run brought back (.cache/sandbox/vmm-scenarios)
 #                    and that run's serial logs (one per group)
+#   VMMSC_JOBS (groups whose L1 runs at the same time, default 2 on a host
+#     with 2 or more cores)
 #   SANDBOX_TIMEOUT (s): one timeout for every group instead of the computed
 #     ones; CARGO_TARGET_DIR
 # A scenario's verdict is its own: the images of each finished scenario are
@@ -402,26 +404,56 @@ EOF
     export SANDBOX_SMP=${SANDBOX_SMP:-1}
     mkdir -p "$CACHE/logs"
     stamp=$(date +%Y%m%d-%H%M%S)
-    t=$(now)
-    for g in $GROUPS_ORDER; do
-        gs=$(group_of $g)
-        [ -n "$gs" ] || continue
-        tmo=${SANDBOX_TIMEOUT:-$(group_timeout $g)}
+    # Groups run JOBS at a time (VMMSC_JOBS, default 2 where the host has 2 or
+    # more cores): each L1 is one TCG vCPU thread, so two of them keep both
+    # cores busy and the wall time is about halved. Longest groups start first.
+    JOBS=${VMMSC_JOBS:-$(($(nproc) >= 2 ? 2 : 1))}
+    case $JOBS in '' | *[!0-9]* | 0) die "VMMSC_JOBS must be a positive integer" ;; esac
+    # run_group G: one L1 boot; its exit status and wall time go to files.
+    run_group() {
+        local g=$1 gs tmo log tg rc
+        gs=$(group_of "$g")
+        tmo=${SANDBOX_TIMEOUT:-$(group_timeout "$g")}
         log=$CACHE/logs/vmm-scenarios-$stamp-$g.log
         say "== run L1, group $g ($VMM, scenarios $gs, timeout ${tmo}s, L1 vCPUs $SANDBOX_SMP)"
         tg=$(now)
         set +e
         if [ "${VMMSC_VERBOSE:-0}" = 1 ]; then
-            SANDBOX_OUT=$out SANDBOX_LOG=$log SANDBOX_TIMEOUT=$tmo "$SANDBOX_SCRIPTS/run-l1.sh" "$W/payload-$g"
-            rc=$?
+            SANDBOX_OUT=$out SANDBOX_LOG=$log SANDBOX_TIMEOUT=$tmo "$SANDBOX_SCRIPTS/run-l1.sh" "$W/payload-$g" \
+                | sed -u "s/^/[$g] /"
+            rc=${PIPESTATUS[0]}
         else
             SANDBOX_OUT=$out SANDBOX_LOG=$log SANDBOX_TIMEOUT=$tmo "$SANDBOX_SCRIPTS/run-l1.sh" "$W/payload-$g" \
-                | grep --line-buffered -E '^\[run-l1|VMMSC-(L1|BOOT|RESULT|CHECK)|SANDBOX-(L1-BOOTED|KVM-READY|NO-KVM|RESULT)'
+                | grep --line-buffered -E '^\[run-l1|VMMSC-(L1|BOOT|RESULT|CHECK)|SANDBOX-(L1-BOOTED|KVM-READY|NO-KVM|RESULT)' \
+                | sed -u "s/^/[$g] /"
             rc=${PIPESTATUS[0]}
         fi
         set -e
-        wall=$(elapsed "$tg")
-        say "L1 run, group $g: exit $rc, ${wall}s of ${tmo}s, serial log: $log"
+        echo "$rc $(elapsed "$tg") $tmo $log" >"$W/ran-$g"
+        say "L1 run, group $g: exit $rc, $(elapsed "$tg")s of ${tmo}s, serial log: $log"
+    }
+    # The selected groups, longest (by their EST) first.
+    order=$(for g in $GROUPS_ORDER; do
+        if [ -n "$(group_of $g)" ]; then echo "$(group_timeout $g) $g"; fi
+    done | sort -rn | awk '{ print $2 }')
+    say "== L1 runs: $(echo $order | wc -w) groups, $JOBS at a time (VMMSC_JOBS)"
+    rm -f "$W"/ran-*
+    t=$(now)
+    running=0
+    for g in $order; do
+        if [ "$running" -ge "$JOBS" ]; then
+            wait -n || true
+            running=$((running - 1))
+        fi
+        run_group "$g" &
+        running=$((running + 1))
+    done
+    wait || true
+    for g in $order; do
+        gs=$(group_of $g)
+        # A group whose runner died without a word counts as a failed run.
+        read -r rc wall tmo log <"$W/ran-$g" 2>/dev/null \
+            || { rc=1 wall=- tmo=- log=$CACHE/logs/vmm-scenarios-$stamp-$g.log; }
         for k in $gs; do
             LOGOF[$k]=$log
             RCOF[$k]=$rc
