@@ -74,13 +74,19 @@ pub fn start(mut file: File) -> Result<(), EventMonitorError> {
             // file is open already.
             let mut confined = false;
             for text in rx {
-                if let Err(e) = threads::process().follow(&mut confined) {
-                    log::warn!(
+                match threads::process().follow(&mut confined) {
+                    Ok(true) => log::info!(
+                        "event monitor: follows the VMM's Landlock confinement (no file access)"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => {
+                        log::warn!(
                         "event monitor: cannot confine itself as the VMM did (--landlock): {}; \
                          no more events are written",
                         error_report::chain(&e)
                     );
-                    return;
+                        return;
+                    }
                 }
                 let written = file
                     .write_all(text.as_bytes())

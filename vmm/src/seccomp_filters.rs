@@ -262,8 +262,10 @@ const CHARDEV_SOCKET: &[i64] = &[libc::SYS_bind, libc::SYS_listen, libc::SYS_soc
 
 /// A thread started before the VMM confined itself restricts itself
 /// (`--landlock`, see `landlock_rules::threads`): an empty ruleset, the
-/// no-new-privileges bit, the restriction.
+/// no-new-privileges bit, the restriction; `fcntl(F_GETFD)` is std's check
+/// of the ruleset's descriptor.
 const LANDLOCK_SELF: &[i64] = &[
+    libc::SYS_fcntl,
     libc::SYS_landlock_create_ruleset,
     libc::SYS_landlock_restrict_self,
     libc::SYS_prctl,

@@ -315,7 +315,14 @@ fn check_listener(fd: RawFd) -> Result<(), HttpError> {
 /// [`threads`]): false when this thread could not, and must stop serving.
 fn follow_confinement(late: &LateConfinement, confined: &mut bool, who: &str) -> bool {
     match late.follow(confined) {
-        Ok(_) => true,
+        Ok(now) => {
+            if now {
+                log::info!(
+                    "API: the {who} follows the VMM's Landlock confinement (no file access)"
+                );
+            }
+            true
+        }
         Err(e) => {
             log::error!(
                 "API: the {who} cannot confine itself as the VMM did (--landlock): {}; \

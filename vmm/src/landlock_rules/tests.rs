@@ -283,6 +283,7 @@ fn a_thread_that_follows_the_published_confinement_opens_nothing() {
         let opened_before = std::fs::read(&f).is_ok();
         late.publish();
         let after = late.follow(&mut confined).unwrap();
+        let again = late.follow(&mut confined).unwrap();
         let refused =
             std::fs::read(&f).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied);
         // A thread it spawns now inherits the domain (the acceptor's
@@ -292,14 +293,15 @@ fn a_thread_that_follows_the_published_confinement_opens_nothing() {
         })
         .join()
         .unwrap();
-        (before, opened_before, after, refused, child_refused)
+        (before, opened_before, after, again, refused, child_refused)
     });
-    let (before, opened_before, after, refused, child_refused) = worker.join().unwrap();
+    let (before, opened_before, after, again, refused, child_refused) = worker.join().unwrap();
     assert!(
         !before && opened_before,
         "confined before the VMM published"
     );
     assert!(after && refused, "the following thread still opens files");
+    assert!(!again, "confined twice");
     assert!(child_refused, "a thread it spawned is not confined");
     // The rest of the process is not.
     assert_eq!(std::fs::read(&file).unwrap(), b"x");

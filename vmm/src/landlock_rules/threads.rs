@@ -60,11 +60,11 @@ impl LateConfinement {
     /// Called by a thread before each piece of work, with its own flag
     /// (`confined`, false at first): once the VMM is confined, restricts
     /// the calling thread to no filesystem access at all, once. Returns
-    /// whether the thread is confined now. An error means the thread could
-    /// not follow: it must stop working rather than go on unconfined.
+    /// whether this call confined it. An error means the thread could not
+    /// follow: it must stop working rather than go on unconfined.
     pub fn follow(&self, confined: &mut bool) -> Result<bool, LandlockError> {
         if *confined || !self.is_published() {
-            return Ok(*confined);
+            return Ok(false);
         }
         restrict_thread_to_nothing()?;
         *confined = true;
