@@ -3,21 +3,30 @@
 //! (and every thread it spawns later) with Landlock to the files that VM
 //! needs, plus the rules the user gave. What lies outside is refused by the
 //! kernel; the actions that name a new path (`vm.pmem-overlay`,
-//! `vm.snapshot`) check it first, so the refusal names the path and says
-//! Landlock instead of a bare "Permission denied".
+//! `vm.snapshot`, `vm.add-pmem`) check it first, so the refusal names the
+//! path and says Landlock instead of a bare "Permission denied".
 //!
-//! The paths a VM gets: its kernel, initramfs and firmware (read); every
-//! pmem file (read and write) and its directory (overlays, frozen snapshot
-//! files and their temporary names are created beside it); every base of a
-//! pcow chain (read); serial and console files and sockets (their
-//! directory, as they may be created); the rng source; `/dev/kvm`,
-//! `/dev/userfaultfd` when present, `/dev/urandom`, `/proc/self` and
-//! `/proc/sys/vm/max_map_count`.
+//! The paths a VM gets ([`vm_rules`]): its kernel, initramfs and firmware
+//! (read); every pmem file (read and write) and its directory (overlays,
+//! frozen snapshot files and their temporary names are created beside
+//! it); every base of a pcow chain (read); serial and console files and
+//! sockets (their directory, as they may be created), `/dev/ptmx` and
+//! `/dev/pts` for a pty; the rng source; `/dev/kvm`, `/dev/userfaultfd`
+//! when present, `/dev/urandom`, `/proc/self` and
+//! `/proc/sys/vm/max_map_count`. A restore adds the snapshot directory
+//! (read): its files are the VM's, and the VMM confines itself before it
+//! opens the VM's files, creates clones (which must lie within the rules)
+//! and starts the VM's threads.
+//!
+//! The threads that were running before (the API server's, the event
+//! monitor's) follow on their own, to no filesystem access at all
+//! ([`threads`]).
 //!
 //! Landlock domains only narrow: a second VM in the same process (after
-//! `vm.delete`) stays within the first one's rules. Threads that were
-//! running before (the API server's, the event monitor's) are not
-//! confined; they open no file named by a client beyond a type check.
+//! `vm.delete`) stays within the first one's rules. Its files
+//! ([`vm_needs`]) are checked against them before any is opened, and the
+//! first outside is refused by name ([`Confinement::first_outside`],
+//! [`Confinement::first_base_outside`]).
 
 use std::path::{Path, PathBuf};
 
