@@ -11,6 +11,11 @@
 //! client therefore only ties up its own small-stack thread, for a bounded
 //! time, and never delays a fast one.
 //!
+//! Under `--landlock` the acceptor and the connection threads follow the
+//! VMM's confinement to no filesystem access once it is published
+//! ([`crate::landlock_rules::threads`]): the acceptor before it spawns a
+//! connection thread, a connection thread before each request.
+//!
 //! The socket is created mode 0600. A lock file next to it (`PATH.lock`,
 //! `flock`ed for the server's life) stops a second VMM from taking the
 //! socket; a socket file left by a VMM that died is replaced.
