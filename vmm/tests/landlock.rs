@@ -11,6 +11,8 @@
 //! later asked to create outside is refused. (The kernel's own refusal,
 //! and a following thread's, are tested in `landlock_rules::tests`.)
 
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -207,6 +209,57 @@ fn landlock_confines_overlays_and_snapshots_to_the_rules() {
     );
 }
 
+/// One connection kept open across requests (HTTP/1.1 keep-alive).
+struct KeepAlive {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+impl KeepAlive {
+    fn connect(sock: &Path) -> KeepAlive {
+        let stream = UnixStream::connect(sock).expect("connect");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .unwrap();
+        KeepAlive {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Sends one request and reads its answer: (status, body).
+    fn request(&mut self, method: &str, action: &str, body: &str) -> (u16, String) {
+        let raw = format!(
+            "{method} /api/v1/{action} HTTP/1.1\r\nHost: localhost\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        self.stream.write_all(raw.as_bytes()).expect("send");
+        let mut chunk = [0u8; 4096];
+        loop {
+            if let Some(p) = self.buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&self.buf[..p]).to_string();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length:")
+                            .map(|v| v.trim().parse().unwrap())
+                    })
+                    .unwrap_or(0);
+                if self.buf.len() >= p + 4 + len {
+                    let body = String::from_utf8_lossy(&self.buf[p + 4..p + 4 + len]).to_string();
+                    self.buf.drain(..p + 4 + len);
+                    return (head[9..12].parse().unwrap(), body);
+                }
+            }
+            let n = self.stream.read(&mut chunk).expect("read");
+            assert!(n > 0, "the connection closed: {:?}", self.buf);
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+}
+
 /// Waits for `vmm`'s VM to reach `want`.
 fn wait_state(vmm: &Vmm, want: &str) {
     let t0 = Instant::now();
@@ -277,9 +330,21 @@ fn a_second_vm_outside_the_kept_rules_is_refused_up_front() {
             "landlock_enable": true,
         })
     };
-    let (st, body) = vmm.put("vm.create", config(&disk));
+    // Through a keep-alive connection that was open before the VMM was
+    // confined: its thread follows before its next request.
+    let mut conn = KeepAlive::connect(&vmm.sock);
+    let (st, body) = conn.request("PUT", "vm.create", &config(&disk).to_string());
     assert_eq!(st, 204, "{body}\n{}", vmm.log());
     assert!(vmm.log().contains("the VMM is confined"), "{}", vmm.log());
+    let (st, body) = conn.request("GET", "vmm.ping", "");
+    assert_eq!(st, 200, "{body}\n{}", vmm.log());
+    assert!(
+        vmm.log()
+            .contains("API: the connection thread follows the VMM's Landlock confinement"),
+        "{}",
+        vmm.log()
+    );
+    drop(conn);
 
     // Files in b: a pmem device added, and after vm.delete a second VM,
     // each refused naming the path and saying why, before anything is
