@@ -10,6 +10,10 @@
 //! its devices restored, its vCPU threads started held, the vCPU and VM
 //! states put back, and the queues served once. The VM is left paused
 //! (one hold of its [`crate::vcpu::VcpuControl`]).
+//!
+//! [`OpenedSnapshot`] stops after the directory is read: the VMM confines
+//! itself there (`--landlock`, from the snapshot's config) before the rest
+//! opens the VM's files, creates clones and starts threads.
 
 use std::path::PathBuf;
 use std::sync::Arc;
