@@ -8,6 +8,7 @@
 //! up. At most [`QUEUE`] events wait; beyond that they are dropped and
 //! counted (logged once the writer catches up).
 
+use crate::landlock_rules::threads;
 use crate::seccomp_filters::{self, ThreadKind};
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -69,7 +70,24 @@ pub fn start(mut file: File) -> Result<(), EventMonitorError> {
                 );
                 return;
             }
+            // No filesystem rights at all once the VMM is confined: the
+            // file is open already.
+            let mut confined = false;
             for text in rx {
+                match threads::process().follow(&mut confined) {
+                    Ok(true) => log::info!(
+                        "event monitor: follows the VMM's Landlock confinement (no file access)"
+                    ),
+                    Ok(false) => {}
+                    Err(e) => {
+                        log::warn!(
+                        "event monitor: cannot confine itself as the VMM did (--landlock): {}; \
+                         no more events are written",
+                        error_report::chain(&e)
+                    );
+                        return;
+                    }
+                }
                 let written = file
                     .write_all(text.as_bytes())
                     .and_then(|()| file.write_all(b"\n\n"));

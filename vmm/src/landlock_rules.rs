@@ -3,21 +3,30 @@
 //! (and every thread it spawns later) with Landlock to the files that VM
 //! needs, plus the rules the user gave. What lies outside is refused by the
 //! kernel; the actions that name a new path (`vm.pmem-overlay`,
-//! `vm.snapshot`) check it first, so the refusal names the path and says
-//! Landlock instead of a bare "Permission denied".
+//! `vm.snapshot`, `vm.add-pmem`) check it first, so the refusal names the
+//! path and says Landlock instead of a bare "Permission denied".
 //!
-//! The paths a VM gets: its kernel, initramfs and firmware (read); every
-//! pmem file (read and write) and its directory (overlays, frozen snapshot
-//! files and their temporary names are created beside it); every base of a
-//! pcow chain (read); serial and console files and sockets (their
-//! directory, as they may be created); the rng source; `/dev/kvm`,
-//! `/dev/userfaultfd` when present, `/dev/urandom`, `/proc/self` and
-//! `/proc/sys/vm/max_map_count`.
+//! The paths a VM gets ([`vm_rules`]): its kernel, initramfs and firmware
+//! (read); every pmem file (read and write) and its directory (overlays,
+//! frozen snapshot files and their temporary names are created beside
+//! it); every base of a pcow chain (read); serial and console files and
+//! sockets (their directory, as they may be created), `/dev/ptmx` and
+//! `/dev/pts` for a pty; the rng source; `/dev/kvm`, `/dev/userfaultfd`
+//! when present, `/dev/urandom`, `/proc/self` and
+//! `/proc/sys/vm/max_map_count`. A restore adds the snapshot directory
+//! (read): its files are the VM's, and the VMM confines itself before it
+//! opens the VM's files, creates clones (which must lie within the rules)
+//! and starts the VM's threads.
+//!
+//! The threads that were running before (the API server's, the event
+//! monitor's) follow on their own, to no filesystem access at all
+//! ([`threads`]).
 //!
 //! Landlock domains only narrow: a second VM in the same process (after
-//! `vm.delete`) stays within the first one's rules. Threads that were
-//! running before (the API server's, the event monitor's) are not
-//! confined; they open no file named by a client beyond a type check.
+//! `vm.delete`) stays within the first one's rules. Its files
+//! ([`vm_needs`]) are checked against them before any is opened, and the
+//! first outside is refused by name ([`Confinement::first_outside`],
+//! [`Confinement::first_base_outside`]).
 
 use std::path::{Path, PathBuf};
 
@@ -27,7 +36,10 @@ use landlock::{
 };
 use serde_json::Value;
 
-use crate::config::VmConfig;
+use crate::config::{ConsoleOutputMode, VmConfig};
+use crate::snapshot::restore::PmemClone;
+
+pub mod threads;
 
 /// The Landlock ABI whose rights are handled (v5 adds `IoctlDev`, which
 /// the rule on `/dev/kvm` grants).
@@ -205,6 +217,12 @@ pub fn vm_rules(config: &VmConfig) -> Result<Vec<LandlockRule>, LandlockError> {
         for f in [&c.file, &c.socket].into_iter().flatten() {
             add(parent_dir(f), RuleAccess::RW);
         }
+        if c.mode == ConsoleOutputMode::Pty {
+            // A new terminal at each first boot: the multiplexer and the
+            // terminals it makes.
+            add("/dev/ptmx".into(), RuleAccess::RW);
+            add("/dev/pts".into(), RuleAccess::RW);
+        }
     }
     add(config.rng.src.clone(), RuleAccess::R);
     add("/dev/kvm".into(), RuleAccess::RW);
@@ -219,18 +237,83 @@ pub fn vm_rules(config: &VmConfig) -> Result<Vec<LandlockRule>, LandlockError> {
     Ok(rules)
 }
 
-/// The rules in force in this process.
+/// The paths a VM with `config` opens or creates itself, each with the
+/// access it needs: what must lie within the rules a process already keeps
+/// before that VM is created or restored there. Its pmem files (or, for a
+/// device `clones` names, the clone's file, and read access to the
+/// snapshot's image's directory, where its frozen image lies), kernel,
+/// initramfs and firmware, serial and console files and sockets, rng
+/// source, and its own `landlock_rules` (they would widen nothing). The
+/// bases of its pcow chains are found by [`Confinement::first_base_outside`].
+pub fn vm_needs(config: &VmConfig, clones: &[PmemClone]) -> Vec<LandlockRule> {
+    let mut needs = Vec::new();
+    let mut add = |path: PathBuf, access| needs.push(LandlockRule { path, access });
+    if let Some(p) = &config.payload {
+        for f in [&p.kernel, &p.initramfs, &p.firmware].into_iter().flatten() {
+            add(f.clone(), RuleAccess::R);
+        }
+    }
+    for pmem in config.pmem() {
+        let clone = clones
+            .iter()
+            .find(|c| pmem.id.as_deref() == Some(c.id.as_str()));
+        match clone {
+            Some(c) => {
+                add(c.file.clone(), RuleAccess::RW);
+                add(parent_dir(&pmem.file), RuleAccess::R);
+            }
+            None => add(pmem.file.clone(), RuleAccess::RW),
+        }
+    }
+    for c in [&config.serial, &config.console] {
+        let path = match c.mode {
+            ConsoleOutputMode::File => &c.file,
+            ConsoleOutputMode::Socket => &c.socket,
+            // A pty's `file` is the terminal a previous boot made: the next
+            // one gets a new terminal (see `vm_rules`).
+            _ => &None,
+        };
+        if let Some(f) = path {
+            add(f.clone(), RuleAccess::RW);
+        }
+    }
+    add(config.rng.src.clone(), RuleAccess::R);
+    // Rules that do not parse are the config's own validation's to refuse.
+    needs.extend(parse_rules(&config.landlock_rules).unwrap_or_default());
+    needs
+}
+
+/// The rules in force in this process (or about to be): canonical paths
+/// and their rights.
 #[derive(Debug, Clone)]
 pub struct Confinement {
-    /// Canonical paths and their rights.
     rules: Vec<LandlockRule>,
 }
 
 impl Confinement {
+    /// The rules as Landlock will see them, restricting nothing yet: each
+    /// path resolved (symbolic links followed), those that do not exist
+    /// left out (Landlock can only name existing files).
+    pub fn resolve(rules: Vec<LandlockRule>) -> Confinement {
+        let rules = rules
+            .into_iter()
+            .filter_map(|r| {
+                std::fs::canonicalize(&r.path)
+                    .ok()
+                    .map(|path| LandlockRule {
+                        path,
+                        access: r.access,
+                    })
+            })
+            .collect();
+        Confinement { rules }
+    }
+
     /// Restricts the calling thread (and the threads it spawns later) to
-    /// `rules`. Paths that do not exist (yet) are left out: Landlock can
-    /// only name existing files.
-    pub fn restrict(rules: Vec<LandlockRule>) -> Result<Confinement, LandlockError> {
+    /// these rules. A path that vanished since [`Confinement::resolve`] is
+    /// left out here too, so [`Confinement::allows`] never claims more
+    /// than the kernel grants.
+    pub fn restrict(self) -> Result<Confinement, LandlockError> {
         let handled = AccessFs::from_all(LANDLOCK_ABI);
         let mut ruleset = Ruleset::default()
             .handle_access(handled)
@@ -238,15 +321,12 @@ impl Confinement {
             .create()
             .map_err(LandlockError::Ruleset)?;
         let mut kept = Vec::new();
-        for rule in rules {
+        for rule in self.rules {
             let Ok(fd) = PathFd::new(&rule.path) else {
                 continue;
             };
-            let Ok(canonical) = std::fs::canonicalize(&rule.path) else {
-                continue;
-            };
             let mut rights = rule.access.rights();
-            if !canonical.is_dir() {
+            if !rule.path.is_dir() {
                 rights &= AccessFs::from_file(LANDLOCK_ABI);
             }
             ruleset = ruleset
@@ -255,10 +335,7 @@ impl Confinement {
                     path: rule.path.clone(),
                     source,
                 })?;
-            kept.push(LandlockRule {
-                path: canonical,
-                access: rule.access,
-            });
+            kept.push(rule);
         }
         let status = ruleset.restrict_self().map_err(LandlockError::Restrict)?;
         if status.ruleset == RulesetStatus::NotEnforced {
@@ -267,11 +344,11 @@ impl Confinement {
         Ok(Confinement { rules: kept })
     }
 
-    /// Whether `path` (existing or to be created) lies beneath a rule that
-    /// gives `access` (writing: creating it in its directory counts). A
-    /// path whose directory does not exist is let through: the action then
-    /// fails with its own error naming what is missing.
-    pub fn allows(&self, path: &Path, write: bool) -> bool {
+    /// Whether `path` (existing or to be created) lies beneath rules that
+    /// together give `need` (writing: creating it in its directory
+    /// counts). A path whose directory does not exist is let through: the
+    /// action then fails with its own error naming what is missing.
+    pub fn allows(&self, path: &Path, need: RuleAccess) -> bool {
         let resolved = std::fs::canonicalize(path).or_else(|_| {
             let name = path.file_name().ok_or(std::io::ErrorKind::InvalidInput)?;
             std::fs::canonicalize(parent_dir(path)).map(|d| d.join(name))
@@ -279,9 +356,50 @@ impl Confinement {
         let Ok(resolved) = resolved else {
             return true;
         };
-        self.rules.iter().any(|r| {
-            resolved.starts_with(&r.path) && if write { r.access.write } else { r.access.read }
-        })
+        // Landlock grants the union of the rights of every rule above a
+        // file.
+        let (read, write) = self
+            .rules
+            .iter()
+            .filter(|r| resolved.starts_with(&r.path))
+            .fold((false, false), |(r, w), rule| {
+                (r || rule.access.read, w || rule.access.write)
+            });
+        (read || !need.read) && (write || !need.write)
+    }
+
+    /// The first of `needs` these rules do not allow.
+    pub fn first_outside<'a>(&self, needs: &'a [LandlockRule]) -> Option<&'a LandlockRule> {
+        needs.iter().find(|n| !self.allows(&n.path, n.access))
+    }
+
+    /// The first base of `file`'s pcow chain these rules do not let the
+    /// VMM read, found before that base is opened: each image is opened
+    /// without its base (`skip_base`) to learn the next name. A raw file,
+    /// an image that does not open, or the end of the chain ends the walk
+    /// (the device's own checks then give their errors).
+    pub fn first_base_outside(&self, file: &Path) -> Option<PathBuf> {
+        let mut current = file.to_owned();
+        for _ in 0..=pcow::format::MAX_CHAIN_DEPTH {
+            // A FIFO or a device is refused by the config's own checks;
+            // never open one here.
+            if !std::fs::metadata(&current).is_ok_and(|m| m.is_file()) {
+                return None;
+            }
+            let opts = pcow::OpenOptions {
+                force_share: true,
+                skip_base: true,
+                ..Default::default()
+            };
+            let img = pcow::Image::open(&current, opts).ok()?;
+            let base = img.base_ref()?;
+            let next = pcow::resolve_base(&current, &base.name);
+            if !self.allows(&next, RuleAccess::R) {
+                return Some(next);
+            }
+            current = next;
+        }
+        None
     }
 }
 

@@ -260,6 +260,17 @@ const SOCKETS: &[i64] = &[
 /// Creating a listening socket (the VMM thread's chardev sockets).
 const CHARDEV_SOCKET: &[i64] = &[libc::SYS_bind, libc::SYS_listen, libc::SYS_socket];
 
+/// A thread started before the VMM confined itself restricts itself
+/// (`--landlock`, see `landlock_rules::threads`): an empty ruleset, the
+/// no-new-privileges bit, the restriction; `fcntl(F_GETFD)` is std's check
+/// of the ruleset's descriptor.
+const LANDLOCK_SELF: &[i64] = &[
+    libc::SYS_fcntl,
+    libc::SYS_landlock_create_ruleset,
+    libc::SYS_landlock_restrict_self,
+    libc::SYS_prctl,
+];
+
 /// The system calls a kind of thread may make.
 pub fn allowed(kind: ThreadKind) -> Vec<i64> {
     let parts: &[&[i64]] = match kind {
@@ -282,9 +293,9 @@ pub fn allowed(kind: ThreadKind) -> Vec<i64> {
         // The acceptor spawns one thread per connection.
         // A request's paths are checked there (a FIFO given as a pmem file
         // is refused without blocking), hence the lookups.
-        ThreadKind::HttpApi => &[COMMON, EVENTS, SPAWN, SOCKETS, LOOKUPS],
+        ThreadKind::HttpApi => &[COMMON, EVENTS, SPAWN, SOCKETS, LOOKUPS, LANDLOCK_SELF],
         ThreadKind::Chardev => &[COMMON, &[libc::SYS_fsync, libc::SYS_fdatasync]],
-        ThreadKind::EventMonitor => &[COMMON],
+        ThreadKind::EventMonitor => &[COMMON, LANDLOCK_SELF],
     };
     let mut calls: Vec<i64> = parts.iter().flat_map(|p| p.iter().copied()).collect();
     calls.sort_unstable();

@@ -42,10 +42,11 @@ use crate::config::{PmemConfig, VmConfig, MAX_VCPUS};
 use crate::control::{self, Inputs, Outcome};
 use crate::event_monitor::event;
 use crate::health::OutOfSpace;
-use crate::landlock_rules::{vm_rules, Confinement};
+use crate::landlock_rules::{threads, vm_needs, vm_rules, Confinement, LandlockRule, RuleAccess};
 use crate::machine::{Machine, Pmem};
-use crate::snapshot::restore::RestoreRequest;
-use crate::snapshot::{capture, restore_machine};
+use crate::snapshot::capture;
+use crate::snapshot::restore::{PmemClone, RestoreRequest};
+use crate::snapshot::restore_machine::OpenedSnapshot;
 use crate::vmm_error::{ShutdownError, VmmError};
 
 /// The VM's state.
@@ -127,15 +128,66 @@ impl Vmm {
     }
 
     /// With `landlock_enable`, restricts the VMM thread (and the threads it
-    /// spawns from now on) to what `config` needs, once per process.
-    fn confine(&mut self, config: &VmConfig) -> Result<(), VmmError> {
+    /// spawns from now on) to what `config` needs plus `extra` (a
+    /// restore's snapshot directory), once per process, and tells the
+    /// threads that were running before to follow
+    /// ([`threads::LateConfinement`]). `clones`, files a restore will
+    /// create, must lie within those rules: checked before anything is
+    /// restricted or created.
+    fn confine(
+        &mut self,
+        config: &VmConfig,
+        extra: &[LandlockRule],
+        clones: &[PmemClone],
+    ) -> Result<(), VmmError> {
         if !config.landlock_enable || self.confinement.is_some() {
             return Ok(());
         }
-        let rules = vm_rules(config).map_err(VmmError::Landlock)?;
-        let c = Confinement::restrict(rules).map_err(VmmError::Landlock)?;
+        let mut rules = vm_rules(config).map_err(VmmError::Landlock)?;
+        rules.extend_from_slice(extra);
+        let planned = Confinement::resolve(rules);
+        if let Some(c) = clones
+            .iter()
+            .find(|c| !planned.allows(&c.file, RuleAccess::RW))
+        {
+            return Err(VmmError::CloneOutsideLandlock {
+                id: c.id.clone(),
+                path: c.file.clone(),
+            });
+        }
+        let c = planned.restrict().map_err(VmmError::Landlock)?;
         log::info!("--landlock: the VMM is confined to its VM's files and the rules given");
         self.confinement = Some(c);
+        threads::process().publish();
+        Ok(())
+    }
+
+    /// In a process already confined (an earlier VM had `--landlock`),
+    /// refuses a VM whose files lie outside the rules it keeps, naming the
+    /// first, before any of them is opened (the kernel would only say
+    /// "Permission denied", from deep within the action). The tops of
+    /// pcow chains are checked before their bases are looked up.
+    fn check_kept_rules(
+        &self,
+        what: &'static str,
+        config: &VmConfig,
+        clones: &[PmemClone],
+    ) -> Result<(), VmmError> {
+        let Some(c) = &self.confinement else {
+            return Ok(());
+        };
+        let outside = |path: &Path| VmmError::OutsideKeptLandlock {
+            what,
+            path: path.to_owned(),
+        };
+        if let Some(n) = c.first_outside(&vm_needs(config, clones)) {
+            return Err(outside(&n.path));
+        }
+        for p in config.pmem() {
+            if let Some(base) = c.first_base_outside(&p.file) {
+                return Err(outside(&base));
+            }
+        }
         Ok(())
     }
 
@@ -143,7 +195,7 @@ impl Vmm {
     /// kernel would only say "Permission denied").
     fn check_landlock(&self, what: &'static str, path: &Path) -> Result<(), VmmError> {
         match &self.confinement {
-            Some(c) if !c.allows(path, true) => Err(VmmError::OutsideLandlock {
+            Some(c) if !c.allows(path, RuleAccess::RW) => Err(VmmError::OutsideLandlock {
                 what,
                 path: path.to_owned(),
             }),
@@ -187,8 +239,9 @@ impl Vmm {
                 vm.state.name()
             )));
         }
+        self.check_kept_rules("vm.create:", &config, &[])?;
         config.validate().map_err(VmmError::InvalidConfig)?;
-        self.confine(&config)?;
+        self.confine(&config, &[], &[])?;
         self.vm = Some(Vm {
             config,
             state: VmState::Created,
@@ -402,8 +455,29 @@ impl Vmm {
                 vm.state.name()
             )));
         }
+        // The snapshot's files are the VM's: its directory is read before
+        // anything else (a process confined by an earlier VM must allow
+        // it) and joins the rules of a VM confined now.
+        let source = LandlockRule {
+            path: req.source.clone(),
+            access: RuleAccess::R,
+        };
+        if let Some(c) = &self.confinement {
+            if let Some(n) = c.first_outside(std::slice::from_ref(&source)) {
+                return Err(VmmError::OutsideKeptLandlock {
+                    what: "vm.restore: snapshot directory",
+                    path: n.path.clone(),
+                });
+            }
+        }
         event("vm", "restoring", &[]);
-        let r = restore_machine::restore(req).map_err(|e| VmmError::Restore(Box::new(e)))?;
+        let restore_failed = |e| VmmError::Restore(Box::new(e));
+        let opened = OpenedSnapshot::open(req).map_err(restore_failed)?;
+        // Confined before the restore opens the VM's files, creates its
+        // clones and starts its threads (which inherit the domain).
+        self.check_kept_rules("vm.restore:", opened.config(), &req.pmem)?;
+        self.confine(opened.config(), &[source], &req.pmem)?;
+        let r = opened.restore(req).map_err(restore_failed)?;
         let t = &r.times;
         log::info!(
             "restored {}: read {:?}, RAM {:?} ({:?}), pmem {:?}, machine {:?}",
@@ -414,8 +488,6 @@ impl Vmm {
             t.pmem,
             t.machine
         );
-        // The restored VM's files are open: confine to its config from here.
-        self.confine(&r.config)?;
         self.vm = Some(Vm {
             config: r.config,
             state: VmState::Paused,
@@ -604,6 +676,22 @@ impl Vmm {
     }
 
     fn add_pmem(&mut self, cfg: PmemConfig) -> HandlerResult {
+        self.vm()?;
+        if let Some(c) = &self.confinement {
+            let outside = c
+                .first_outside(&[LandlockRule {
+                    path: cfg.file.clone(),
+                    access: RuleAccess::RW,
+                }])
+                .map(|n| n.path.clone())
+                .or_else(|| c.first_base_outside(&cfg.file));
+            if let Some(path) = outside {
+                return Err(VmmError::OutsideKeptLandlock {
+                    what: "vm.add-pmem: file",
+                    path,
+                });
+            }
+        }
         let vm = self.vm_mut()?;
         if vm.machine.is_some() {
             return Err(wrong_state(

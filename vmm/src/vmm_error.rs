@@ -80,6 +80,21 @@ pub enum VmmError {
     )]
     OutsideLandlock { what: &'static str, path: PathBuf },
     #[error(
+        "{what} {}: the path is outside the Landlock rules this VMM process is confined to \
+         (--landlock); Landlock only narrows, so the rules of the first confined VM are kept \
+         for the process's life: give this path's directory with --landlock-rules when that \
+         VM is created, or use a new VMM process",
+        path.display()
+    )]
+    OutsideKeptLandlock { what: &'static str, path: PathBuf },
+    #[error(
+        "vm.restore: clone {id}: {} is outside the Landlock rules of the snapshot's VM \
+         (landlock_enable): a clone must lie beside that VM's pmem files or in one of its \
+         landlock_rules directories with write access",
+        path.display()
+    )]
+    CloneOutsideLandlock { id: String, path: PathBuf },
+    #[error(
         "pmem {id} has discard_writes: {what} is refused (the image is never \
          written, the guest's writes are discarded); remove the device or use \
          `pcow-img` on the image while no VM runs on it"

@@ -54,7 +54,10 @@ pub fn status(e: &VmmError) -> u16 {
         | VmmError::NotPcow(_)
         | VmmError::Discarding { .. } => 400,
         // Upstream answers a Landlock refusal as any other failure.
-        VmmError::Landlock(_) | VmmError::OutsideLandlock { .. } => 500,
+        VmmError::Landlock(_)
+        | VmmError::OutsideLandlock { .. }
+        | VmmError::OutsideKeptLandlock { .. }
+        | VmmError::CloneOutsideLandlock { .. } => 500,
         VmmError::AddPmem(v) => match v {
             ValidationError::DuplicateId(_) | ValidationError::PmemSameFile { .. } => 409,
             _ => 400,

@@ -11,10 +11,16 @@
 //! client therefore only ties up its own small-stack thread, for a bounded
 //! time, and never delays a fast one.
 //!
+//! Under `--landlock` the acceptor and the connection threads follow the
+//! VMM's confinement to no filesystem access once it is published
+//! ([`crate::landlock_rules::threads`]): the acceptor before it spawns a
+//! connection thread, a connection thread before each request.
+//!
 //! The socket is created mode 0600. A lock file next to it (`PATH.lock`,
 //! `flock`ed for the server's life) stops a second VMM from taking the
 //! socket; a socket file left by a VMM that died is replaced.
 
+use crate::landlock_rules::threads::{self, LateConfinement};
 use crate::seccomp_filters::{self, ThreadKind};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -207,7 +213,7 @@ impl HttpServer {
         let inf = in_flight.clone();
         let accept = std::thread::Builder::new()
             .name("http-api".into())
-            .spawn(move || accept_loop(listener, api, inf, limits))
+            .spawn(move || accept_loop(listener, api, inf, limits, threads::process()))
             .map_err(HttpError::Thread)?;
         Ok(HttpServer {
             created,
@@ -310,11 +316,35 @@ fn check_listener(fd: RawFd) -> Result<(), HttpError> {
     Ok(())
 }
 
+/// Follows the VMM's Landlock confinement (see
+/// [`threads`]): false when this thread could not, and must stop serving.
+fn follow_confinement(late: &LateConfinement, confined: &mut bool, who: &str) -> bool {
+    match late.follow(confined) {
+        Ok(now) => {
+            if now {
+                log::info!(
+                    "API: the {who} follows the VMM's Landlock confinement (no file access)"
+                );
+            }
+            true
+        }
+        Err(e) => {
+            log::error!(
+                "API: the {who} cannot confine itself as the VMM did (--landlock): {}; \
+                 it stops serving",
+                error_report::chain(&e)
+            );
+            false
+        }
+    }
+}
+
 fn accept_loop(
     listener: UnixListener,
     api: ApiSender,
     in_flight: Arc<AtomicUsize>,
     limits: Limits,
+    late: &'static LateConfinement,
 ) {
     // The connection threads spawned below inherit this filter.
     if let Err(e) = seccomp_filters::apply(ThreadKind::HttpApi) {
@@ -322,6 +352,7 @@ fn accept_loop(
         return;
     }
     let active = Arc::new(AtomicUsize::new(0));
+    let mut confined = false;
     for stream in listener.incoming() {
         let mut stream = match stream {
             Ok(s) => s,
@@ -331,6 +362,10 @@ fn accept_loop(
                 continue;
             }
         };
+        // Before a connection thread is spawned: it inherits the domain.
+        if !follow_confinement(late, &mut confined, "acceptor") {
+            return;
+        }
         if active.load(Ordering::Acquire) >= limits.max_connections {
             let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
             let busy = ApiError::new(503, "too many API connections");
@@ -343,7 +378,7 @@ fn accept_loop(
             .name("http-conn".into())
             .stack_size(CONN_STACK)
             .spawn(move || {
-                serve_connection(stream, &api, &inf, &limits);
+                serve_connection(stream, &api, &inf, &limits, late, confined);
                 act.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
@@ -616,12 +651,19 @@ fn serve_connection(
     api: &ApiSender,
     in_flight: &AtomicUsize,
     limits: &Limits,
+    late: &LateConfinement,
+    mut confined: bool,
 ) {
     if stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
         return;
     }
     let mut buf = Vec::new();
     loop {
+        // A keep-alive connection may outlive the moment the VMM confines
+        // itself (the `vm.create` that does it may come through it).
+        if !follow_confinement(late, &mut confined, "connection thread") {
+            return;
+        }
         match read_request(&mut stream, &mut buf, limits) {
             Ok(req) => {
                 let result = match route(&req.method, &req.path, &req.body) {

@@ -286,14 +286,14 @@ const OPTIONS: &[Opt] = &[
     opt(
         "landlock",
         "",
-        "Landlock confinement: not supported (refused rather than run unconfined)",
+        "Confine the VMM with Landlock to its VM's files and the --landlock-rules",
         Kind::Flag,
         Group::Vm,
     ),
     opt(
         "landlock-rules",
         "",
-        "Landlock rules: not supported (refused)",
+        "More paths for --landlock: path=<file or dir>,access=r|w|rw",
         Kind::Many,
         Group::Vm,
     ),

@@ -10,6 +10,10 @@
 //! its devices restored, its vCPU threads started held, the vCPU and VM
 //! states put back, and the queues served once. The VM is left paused
 //! (one hold of its [`crate::vcpu::VcpuControl`]).
+//!
+//! [`OpenedSnapshot`] stops after the directory is read: the VMM confines
+//! itself there (`--landlock`, from the snapshot's config) before the rest
+//! opens the VM's files, creates clones and starts threads.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,7 +25,7 @@ use crate::control;
 use crate::machine::{Machine, MachineError};
 use crate::snapshot::cpu_state::{CpuStateContext, CpuStateError, VcpuState};
 use crate::snapshot::device_state::{DeviceStates, DeviceStatesError};
-use crate::snapshot::dir::{SnapshotDir, SnapshotError, STATE_FILE};
+use crate::snapshot::dir::{Snapshot, SnapshotDir, SnapshotError, STATE_FILE};
 use crate::snapshot::pmem_state::{self, PlanError};
 use crate::snapshot::restore::RestoreRequest;
 use crate::snapshot::vm_state::{VmState, VmStateError};
@@ -122,9 +126,46 @@ fn decode<T: serde::de::DeserializeOwned>(
 
 /// Restores the snapshot `req` names into a new machine, paused.
 pub fn restore(req: &RestoreRequest) -> Result<Restored, RestoreFailed> {
+    OpenedSnapshot::open(req)?.restore(req)
+}
+
+/// A snapshot directory read and checked ([`SnapshotDir::open`]), nothing
+/// else opened yet: its config says which files the restored VM will
+/// use, so the VMM can confine itself (`--landlock`) before
+/// [`OpenedSnapshot::restore`] opens them, creates clones and starts
+/// threads.
+pub struct OpenedSnapshot {
+    snap: Snapshot,
+    started: Instant,
+}
+
+impl OpenedSnapshot {
+    /// Reads and checks the directory `req` names.
+    pub fn open(req: &RestoreRequest) -> Result<OpenedSnapshot, RestoreFailed> {
+        let started = Instant::now();
+        let snap = SnapshotDir::open(&req.source).map_err(RestoreFailed::Snapshot)?;
+        Ok(OpenedSnapshot { snap, started })
+    }
+
+    /// The snapshot's config (its pmem ids assigned), before the clones of
+    /// a restore replace its pmem files.
+    pub fn config(&self) -> &VmConfig {
+        self.snap.config()
+    }
+
+    /// Restores it into a new machine, paused (`req` must be the request
+    /// it was opened with).
+    pub fn restore(self, req: &RestoreRequest) -> Result<Restored, RestoreFailed> {
+        restore_opened(self.snap, self.started, req)
+    }
+}
+
+fn restore_opened(
+    snap: Snapshot,
+    t: Instant,
+    req: &RestoreRequest,
+) -> Result<Restored, RestoreFailed> {
     let mut times = RestoreTimes::default();
-    let t = Instant::now();
-    let snap = SnapshotDir::open(&req.source).map_err(RestoreFailed::Snapshot)?;
     let file = req.source.join(STATE_FILE);
     let state = snap.state();
     let vcpus: Vec<VcpuState> = decode(&file, "vcpus", &state.vcpus)?;
