@@ -52,7 +52,8 @@ impl std::fmt::Debug for PcowRegion {
 pub struct Status {
     /// Data clusters in the image file, all layers.
     pub allocated_clusters: u64,
-    /// Private pages a barrier would move now.
+    /// Private pages a barrier would move now (with a write log: the
+    /// pages it named in private and zero-mapped clusters, an upper bound).
     pub pending_private_pages: u64,
     /// Snapshots of the image.
     pub snapshots: Vec<SnapshotInfo>,
