@@ -14,7 +14,10 @@
 //! in the bitmap it returns (its page was writable, so marked) or faults
 //! again and is marked for the next call. The device holds the vCPUs
 //! paused while a barrier reads the log and copies the pages, so nothing
-//! races there at all. Host remaps of the region (barriers, overlays,
+//! races there at all; that also covers hosts whose KVM logs through a
+//! per-vCPU buffer (Intel's PML), flushed into the bitmap at every exit.
+//! A status read while the guest runs may miss a write still in such a
+//! buffer; the next read, a barrier's with the vCPUs out, names it. Host remaps of the region (barriers, overlays,
 //! holes returned with `MADV_DONTNEED`) only drop KVM's mappings; the
 //! bitmap is per guest page of the slot and keeps its bits.
 //!

@@ -7,8 +7,8 @@
 //!
 //! What the region relies on (see `harvest`):
 //!
-//! - the log's contract below: a write is named by the call that runs
-//!   while it happens or by the next one, never by none;
+//! - the log's contract below: a write is named by a call that returns
+//!   after it began, at the latest by the next barrier's, never by none;
 //! - writes before the log was attached are not in it: the first barrier
 //!   after [`crate::PcowRegion::attach_write_log`] also runs the full scan,
 //!   and so does the first after a call that failed (a failed call may
@@ -39,10 +39,12 @@ pub trait WriteLog: Send + Sync {
     /// the log started, for the first), each at least once, then starts a
     /// new interval.
     ///
-    /// Contract: a write to a page is named by a call that is running
-    /// while the write happens, or else by the first call that starts
-    /// after it. Pages nobody wrote may be named too (they cost a copy).
-    /// A call that fails may have lost pages it took: the region then
-    /// finds the written pages by scanning until a call succeeds again.
+    /// Contract: every write to a page is named by a call that returns
+    /// after the write began, at the latest by the first call made while
+    /// the writers are held after it (a barrier's: KVM's dirty log with the
+    /// vCPUs out of `KVM_RUN`). Pages nobody wrote may be named too (they
+    /// cost a copy). A call that fails may have lost pages it took: the
+    /// region then finds the written pages by scanning until a call
+    /// succeeds again.
     fn take_written(&self, into: &mut dyn FnMut(u64)) -> Result<(), WriteLogError>;
 }
