@@ -237,6 +237,53 @@ fn pages_of_every_kind_are_moved_as_the_log_names_them() {
 }
 
 #[test]
+fn holes_returned_past_the_zero_budget_lose_no_logged_write() {
+    let test = "holes_returned_past_the_zero_budget_lose_no_logged_write";
+    if !uffd_or_skip(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (top, mut model) = over_base(dir.path(), 16, 4);
+    // No zero budget: every barrier returns the zero-mapped clusters the
+    // image has nothing for to holes (MADV_DONTNEED).
+    let (rig, log) = with_log(
+        &top,
+        &RegionOptions {
+            zero_budget: Some(0),
+            ..RegionOptions::default()
+        },
+    );
+    rig.region.barrier().unwrap();
+    for vcn in 8..12 {
+        assert_eq!(rig.read(vcn * K64, K64 as usize), vec![0u8; K64 as usize]);
+    }
+    // Cluster 8 written, 9 written with zeros only, 10 and 11 only read.
+    w(&rig, &log, &mut model, 8 * K64 + 5 * PAGE + 3, 1, 30);
+    {
+        let _in = rig.gate.enter();
+        log.mark(9 * K64 + 2 * PAGE, 16);
+        gwrite(rig.base(), rig.region.len(), 9 * K64 + 2 * PAGE, &[0u8; 16]);
+    }
+    assert_eq!(rig.region.status().unwrap().zero_mapped, 4);
+    let s = rig.region.barrier().unwrap();
+    assert!(s.write_log, "{s:?}");
+    assert_eq!((s.clusters_copied, s.reholed), (1, 3), "{s:?}");
+    let st = rig.region.status().unwrap();
+    assert_eq!((st.zero_mapped, st.holes, st.shared), (0, 11, 1), "{st:?}");
+    // Writes into a returned hole (a fault maps a cluster shared) and into
+    // the moved cluster; a read of another returned hole.
+    w(&rig, &log, &mut model, 10 * K64 + 7, 2, 9);
+    w(&rig, &log, &mut model, 8 * K64 + 5 * PAGE + 100, 3, 9);
+    assert_eq!(rig.read(11 * K64, 64), vec![0u8; 64]);
+    let s = rig.region.barrier().unwrap();
+    assert!(s.write_log, "{s:?}");
+    same(&rig.read(0, model.len()), &model, "region");
+    close_and_compare(rig, &top, &model, "image after holes were returned");
+    let img = Image::open(&top, OpenOptions::read_only()).unwrap();
+    assert_eq!(img.allocated_clusters(), 2, "clusters 8 and 10 only");
+}
+
+#[test]
 fn a_failed_log_read_makes_the_barrier_scan_and_nothing_is_lost() {
     let test = "a_failed_log_read_makes_the_barrier_scan_and_nothing_is_lost";
     if !uffd_or_skip(test) {
