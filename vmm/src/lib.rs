@@ -3,7 +3,8 @@
 //!
 //! What is here: Cloud Hypervisor's command line, VmConfig and validation
 //! ([`config`]); the KVM VM with guest RAM and memslots for device regions
-//! ([`vm`]); CPUID and vCPU setup ([`cpu`]) and vCPU threads with
+//! ([`vm`]), a pcow region's memslot with KVM's dirty log, which its
+//! barriers follow ([`dirty_log`]); CPUID and vCPU setup ([`cpu`]) and vCPU threads with
 //! pause/resume/stop and NMIs ([`vcpu`]); the guest memory layout and
 //! bzImage/PVH loading ([`boot`]); ACPI tables ([`acpi`]); interrupts
 //! (in-kernel irqchip, irqfds, MSI-X routes: [`irq`]); a PCI segment with
@@ -53,6 +54,7 @@ pub mod config;
 pub mod control;
 pub mod cpu;
 pub mod device_tree;
+pub mod dirty_log;
 pub mod event_monitor;
 pub mod health;
 pub mod irq;

@@ -152,6 +152,12 @@ pub enum MachineError {
     },
     #[error("pmem device {id}: the region is {len:#x} bytes, the config says {size:#x}")]
     RegionSize { id: String, len: u64, size: u64 },
+    #[error("pmem device {id}: attaching KVM's dirty log")]
+    WriteLog {
+        id: String,
+        #[source]
+        source: Box<BarrierError>,
+    },
     #[error("pmem device {id}: memslot")]
     Memslot {
         id: String,
@@ -703,9 +709,30 @@ impl Machine {
                 });
             }
             let gpa = cap(&p.id, vm.next_region_gpa())?;
-            // SAFETY: `Pmem` declares `slot` before `backend` and `monitor`,
-            // which keep the region mapped: the memslot is deleted first.
-            let slot = cap(&p.id, unsafe { vm.add_region(gpa, host, p.size) })?;
+            let slot = match &backend {
+                PmemBackend::Pcow(region) => {
+                    // SAFETY: `Pmem` declares `slot` before `backend` and
+                    // `monitor`, which keep the region mapped: the memslot
+                    // is deleted first.
+                    let slot = cap(&p.id, unsafe { vm.add_logged_region(gpa, host, p.size) })?;
+                    // Barriers follow the guest's writes through KVM's
+                    // dirty log (the first one scans once: the region is
+                    // fresh, but that is the log's rule, not ours to skip).
+                    if let Some(log) = slot.write_log() {
+                        region.attach_write_log(Arc::new(log)).map_err(|e| {
+                            MachineError::WriteLog {
+                                id: p.id.clone(),
+                                source: Box::new(e),
+                            }
+                        })?;
+                        log::info!("pmem {}: barriers follow KVM's dirty log", p.id);
+                    }
+                    slot
+                }
+                // SAFETY: `Pmem` declares `slot` before `backend`, which
+                // keeps the file mapped: the memslot is deleted first.
+                PmemBackend::Raw(_) => cap(&p.id, unsafe { vm.add_region(gpa, host, p.size) })?,
+            };
             regions.push((p, slot, backend, monitor));
         }
         let regions_end = regions

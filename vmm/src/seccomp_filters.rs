@@ -159,7 +159,8 @@ const SPAWN: &[i64] = &[
 
 /// pcow image I/O: reads and writes, durability (fsync of files and of
 /// directories), space, locks, the live overlay's and the barrier's
-/// mappings (mremap, PAGEMAP_SCAN on /proc/self/pagemap through ioctl).
+/// mappings (mremap, PAGEMAP_SCAN on /proc/self/pagemap through ioctl),
+/// and KVM's dirty log of a pmem memslot (KVM_GET_DIRTY_LOG, ioctl).
 const IMAGE_IO: &[i64] = &[
     libc::SYS_fadvise64,
     libc::SYS_fallocate,

@@ -5,9 +5,10 @@
 //! the VM before anything else may reuse the host range it pointed at.
 
 use crate::boot::layout;
+use crate::dirty_log::{KvmDirtyLog, SharedSlotLog, SlotLog};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use kvm_bindings::kvm_userspace_memory_region;
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VmFd};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
@@ -98,6 +99,8 @@ pub struct Memslot {
     slot: u32,
     gpa: u64,
     len: u64,
+    /// The slot's dirty log, when it was registered with one.
+    log: Option<SharedSlotLog>,
 }
 
 impl Memslot {
@@ -120,10 +123,20 @@ impl Memslot {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The slot's dirty log, if it has one ([`Vm::add_logged_region`]).
+    pub fn write_log(&self) -> Option<KvmDirtyLog> {
+        self.log.clone().map(KvmDirtyLog)
+    }
 }
 
 impl Drop for Memslot {
     fn drop(&mut self) {
+        // First: no read of the log may reach the slot number once it can
+        // be given to another slot.
+        if let Some(log) = &self.log {
+            SlotLog::retire(log);
+        }
         let region = kvm_userspace_memory_region {
             slot: self.slot,
             guest_phys_addr: self.gpa,
@@ -219,7 +232,7 @@ impl Vm {
         for (gpa, host, len) in ranges {
             // SAFETY: the range is guest RAM owned by `vm.memory`, which
             // outlives the memslot (`ram_slots` drops first, see `Vm`).
-            let slot = unsafe { vm.add_slot(gpa, host, len)? };
+            let slot = unsafe { vm.add_slot(gpa, host, len, 0)? };
             vm.ram_slots.push(slot);
         }
         Ok(vm)
@@ -292,7 +305,54 @@ impl Vm {
             return Err(VmError::Misaligned { gpa, host, len });
         }
         // SAFETY: the caller keeps the range mapped for the slot's life.
-        unsafe { self.add_slot(gpa, host, len) }
+        unsafe { self.add_slot(gpa, host, len, 0) }
+    }
+
+    /// [`Vm::add_region`] with KVM's dirty log of the slot
+    /// (`KVM_MEM_LOG_DIRTY_PAGES`, [`Memslot::write_log`]) when this KVM
+    /// gives one: the slot is registered with the flag and the log read
+    /// once (a KVM that cannot log fails one or the other). Otherwise, or
+    /// when the bitmap cannot be allocated, the slot is registered without
+    /// it and the reason is logged at info level.
+    ///
+    /// # Safety
+    ///
+    /// As [`Vm::add_region`].
+    pub unsafe fn add_logged_region(
+        &self,
+        gpa: u64,
+        host_addr: *mut u8,
+        len: u64,
+    ) -> Result<Memslot, VmError> {
+        let host = host_addr as u64;
+        if !gpa.is_multiple_of(REGION_ALIGN)
+            || !host.is_multiple_of(PAGE)
+            || len == 0
+            || !len.is_multiple_of(PAGE)
+        {
+            return Err(VmError::Misaligned { gpa, host, len });
+        }
+        // SAFETY: the caller keeps the range mapped for the slot's life.
+        let why = match unsafe { self.add_slot(gpa, host, len, KVM_MEM_LOG_DIRTY_PAGES) } {
+            Ok(mut slot) => match SlotLog::new(self.fd.clone(), slot.slot, len) {
+                Ok(log) => match KvmDirtyLog(log.clone()).take(&mut |_| {}) {
+                    Ok(()) => {
+                        slot.log = Some(log);
+                        return Ok(slot);
+                    }
+                    Err(e) => error_report::chain(&e),
+                },
+                Err(e) => error_report::chain(&e),
+            },
+            Err(e @ VmError::SetMemslot { .. }) => error_report::chain(&e),
+            Err(e) => return Err(e),
+        };
+        log::info!(
+            "memslot at guest {gpa:#x}: no KVM dirty log ({why}); pmem barriers scan the page tables"
+        );
+        // SAFETY: as above (a slot registered with the flag was dropped
+        // on the way here, which deleted it).
+        unsafe { self.add_slot(gpa, host, len, 0) }
     }
 
     /// Registers a memslot.
@@ -300,7 +360,13 @@ impl Vm {
     /// # Safety
     ///
     /// As [`Vm::add_region`].
-    unsafe fn add_slot(&self, gpa: u64, host: u64, len: u64) -> Result<Memslot, VmError> {
+    unsafe fn add_slot(
+        &self,
+        gpa: u64,
+        host: u64,
+        len: u64,
+        flags: u32,
+    ) -> Result<Memslot, VmError> {
         if gpa.checked_add(len).is_none() || host.checked_add(len).is_none() {
             return Err(VmError::Wraps { gpa, len });
         }
@@ -314,7 +380,7 @@ impl Vm {
             guest_phys_addr: gpa,
             memory_size: len,
             userspace_addr: host,
-            flags: 0,
+            flags,
         };
         // SAFETY: the slot number is free and the guest range overlaps no
         // other slot (checked above under the table lock); the host range
@@ -334,6 +400,7 @@ impl Vm {
             slot,
             gpa,
             len,
+            log: None,
         })
     }
 

@@ -13,8 +13,9 @@
 //!    not taken yet: the monitor serves the faults of writers the hold
 //!    waits for;
 //! 3. under the state lock: the harvest ([`crate::harvest`]: the pages
-//!    written since the last barrier, their tracking re-armed), the copy
-//!    into the writable layer and its metadata staged;
+//!    written since the last barrier, their tracking re-armed, or the
+//!    pages the write log names, read with writers held), the copy into
+//!    the writable layer and its metadata staged;
 //! 4. writers released, the state lock dropped: once the pages are copied
 //!    and their tracking re-armed, a write belongs to the next barrier;
 //! 5. the commit: the syncs and the header;
@@ -99,8 +100,8 @@ pub enum BarrierError {
 /// What one barrier did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct BarrierStats {
-    /// Written private pages found (with write tracking: written since the
-    /// previous barrier; without: every private page).
+    /// Written private pages found (with a write log or write tracking:
+    /// written since the previous barrier; without: every private page).
     pub private_pages: u64,
     /// Pages written into the image (a whole cluster counts all its pages).
     pub pages_copied: u64,
@@ -121,6 +122,9 @@ pub struct BarrierStats {
     pub reholed: u64,
     /// Whether write tracking (WP-async) found the pages.
     pub tracked: bool,
+    /// Whether the write log ([`crate::WriteLog`]) named the pages (no
+    /// page-table scan ran).
+    pub write_log: bool,
     /// Whether a tracked scan took two walks (many present pages
     /// protected; see `PageScanner::written_since`), not one.
     pub two_walks: bool,
@@ -205,10 +209,11 @@ pub(crate) struct Moved {
 fn move_held(st: &mut RegionState, stats: &mut BarrierStats) -> Result<Moved, BarrierError> {
     let t = Instant::now();
     let mut p = parts(st)?;
-    let found = p.tracking.harvest(p.view)?;
+    let found = p.tracking.harvest(p.view, p.image)?;
     stats.private_pages = found.pages;
     stats.tracked = found.tracked;
     stats.two_walks = found.two_walks;
+    stats.write_log = found.logged;
     let harvest = found.harvest;
     stats.scan = t.elapsed();
     match p.move_pages(&harvest, stats) {

@@ -26,11 +26,29 @@
 //! `UFFDIO_ZEROPAGE` would refuse; the monitor copies zeros there). Without
 //! WP-async every barrier classifies each of their pages, about 10 ms per
 //! GiB here.
+//!
+//! With a write log ([`WriteLog`], KVM's dirty log of the memslot in a
+//! VMM) none of that walks: a barrier reads the log and classifies only
+//! the pages it names (those of private and zero-mapped clusters are
+//! moved; shared clusters need nothing, and a hole has no page). The walk
+//! runs once more at the first barrier after the log was attached (writes
+//! before it are not in the log) and after a read of the log failed (it
+//! may have lost what it took); it then finds every page written since
+//! its own last protection, a superset, so nothing is missed while the
+//! log is not trusted. A zero page the log names in a cluster the image
+//! has nothing for is not moved when it still reads as zeros (KVM names
+//! a page it mapped writable on a read, which the copied zeros of a
+//! former protected entry are): a read never allocates.
+
+use std::sync::Arc;
+
+use pcow::{ClusterSource, Image};
 
 use crate::clusters::ClusterState;
 use crate::mapping::PAGE_SIZE;
 use crate::pagemap::{PageScanner, PagemapError, ScanMethod, WriteTracker};
 use crate::view::View;
+use crate::write_log::WriteLog;
 
 /// Pages to move: (vcn, sorted page indices in the cluster), sorted by vcn.
 pub(crate) type Harvest = Vec<(u64, Vec<u32>)>;
@@ -73,6 +91,8 @@ pub(crate) struct Found {
     pub(crate) tracked: bool,
     /// A tracked scan took two walks.
     pub(crate) two_walks: bool,
+    /// The write log named them (no scan ran).
+    pub(crate) logged: bool,
 }
 
 /// Write tracking and the scanner, and what a failed barrier left.
@@ -95,6 +115,16 @@ pub(crate) struct Tracking {
     /// tracking the harvest re-protected them, so no later scan reports
     /// them again: the next barrier moves them as well.
     pub(crate) unsaved: Harvest,
+    /// The write log attached by the device's user, if any.
+    log: Option<Arc<dyn WriteLog>>,
+    /// Whether a full scan ran since the log was attached or last failed:
+    /// until one has, the log cannot vouch for the writes before it.
+    log_primed: bool,
+    /// Pages the log named that no barrier has moved yet (sorted, unique,
+    /// in pages from the region's start): a read of the log is never lost.
+    logged: Vec<u64>,
+    /// The last read of the log failed (reported once per streak).
+    log_failing: bool,
 }
 
 impl Tracking {
@@ -115,6 +145,10 @@ impl Tracking {
             zero_budget,
             zero_counted: None,
             unsaved: Vec::new(),
+            log: None,
+            log_primed: false,
+            logged: Vec::new(),
+            log_failing: false,
         };
         if !enable {
             return t;
@@ -149,6 +183,51 @@ impl Tracking {
         if let Err(e) = t.register(start, len) {
             log::warn!("write tracking stopped, barriers re-copy every private page: {e}");
             self.tracker = None;
+        }
+    }
+
+    /// Follows `log` from the next barrier on: that barrier still scans
+    /// once (the log does not know what was written before it).
+    pub(crate) fn attach_log(&mut self, log: Arc<dyn WriteLog>) {
+        self.log = Some(log);
+        self.log_primed = false;
+    }
+
+    /// Whether a write log is attached.
+    pub(crate) fn has_log(&self) -> bool {
+        self.log.is_some()
+    }
+
+    /// Reads the log into [`Tracking::logged`]; whether it was read. A
+    /// failure is reported once per streak and makes the next barrier scan
+    /// again (the call may have lost pages it took).
+    fn read_log(&mut self) -> bool {
+        let Some(log) = &self.log else {
+            return false;
+        };
+        let logged = &mut self.logged;
+        let r = log.take_written(&mut |page| logged.push(page));
+        logged.sort_unstable();
+        logged.dedup();
+        match r {
+            Ok(()) => {
+                if self.log_failing {
+                    log::info!("the write log works again");
+                    self.log_failing = false;
+                }
+                true
+            }
+            Err(e) => {
+                if !self.log_failing {
+                    log::warn!(
+                        "{}; barriers scan the page tables until it works again",
+                        error_report::chain(&e)
+                    );
+                    self.log_failing = true;
+                }
+                self.log_primed = false;
+                false
+            }
         }
     }
 
@@ -231,24 +310,64 @@ impl Tracking {
     }
 
     /// The written pages to move at this barrier, by cluster, and the
-    /// pages a failed barrier left. Write protection is re-armed on the
-    /// pages returned (with tracking): writers must be held.
-    pub(crate) fn harvest(&mut self, view: &View) -> Result<Found, PagemapError> {
+    /// pages a failed barrier left: the pages the write log named, or,
+    /// without a log it can trust yet, those a scan finds (write
+    /// protection re-armed on them: writers must be held).
+    pub(crate) fn harvest(&mut self, view: &View, image: &Image) -> Result<Found, PagemapError> {
+        self.zero_counted = None;
+        let read = self.read_log();
+        let mut pages: Vec<(u64, u32)> = Vec::new();
+        let mut found = Found::default();
+        if read && self.log_primed {
+            found.logged = true;
+            self.zero_counted = Some(view.clusters.count(ClusterState::Zero));
+        } else {
+            self.scan_pages(view, image, &mut found, &mut pages)?;
+            // From here the log holds every write the scan did not see.
+            self.log_primed = read;
+        }
+        let mut outside = 0u64;
+        for page in std::mem::take(&mut self.logged) {
+            match logged_page(view, image, page) {
+                Named::Move(vcn, index) => pages.push((vcn, index)),
+                Named::Nothing => {}
+                Named::Outside => outside += 1,
+            }
+        }
+        if outside > 0 {
+            log::warn!("the write log named {outside} pages outside the region; ignored");
+        }
+        pages.sort_unstable();
+        pages.dedup();
+        found.pages = pages.len() as u64;
+        let mut harvest = group(pages);
+        merge_harvest(&mut harvest, std::mem::take(&mut self.unsaved));
+        found.harvest = harvest;
+        Ok(found)
+    }
+
+    /// The scan of the pages written since the last barrier: with write
+    /// tracking those it reports (re-protected), otherwise every private
+    /// page of the region.
+    fn scan_pages(
+        &mut self,
+        view: &View,
+        image: &Image,
+        found: &mut Found,
+        pages: &mut Vec<(u64, u32)>,
+    ) -> Result<(), PagemapError> {
         let base = view.base();
         let cs = view.cs;
-        self.zero_counted = None;
-        let tracked = self.tracker.is_some();
-        let mut two_walks = false;
-        let runs = if tracked {
+        found.tracked = self.tracker.is_some();
+        let runs = if found.tracked {
             let before = self.scanner.two_walk_scans();
             let runs = self.tracked_runs(view, true)?;
-            two_walks = self.scanner.two_walk_scans() > before;
+            found.two_walks = self.scanner.two_walk_scans() > before;
             runs
         } else {
             self.written_runs(view)?
         };
         let fallback = self.scanner.method() == ScanMethod::Read;
-        let mut pages: Vec<(u64, u32)> = Vec::new();
         for &(a, b) in &runs {
             let mut p = a;
             while p < b {
@@ -258,25 +377,51 @@ impl Tracking {
                 // page: an all-zero page over a zero view changes nothing.
                 let skip = fallback
                     && view.clusters.get(vcn) == ClusterState::Zero
-                    && page_is_zero(view, off);
+                    && zeros_over_a_hole(view, image, vcn, off);
                 if !skip {
                     pages.push((vcn, ((off % cs) / PAGE_SIZE) as u32));
                 }
                 p += PAGE_SIZE;
             }
         }
-        pages.sort_unstable();
-        pages.dedup();
-        let found = pages.len() as u64;
-        let mut harvest = group(pages);
-        merge_harvest(&mut harvest, std::mem::take(&mut self.unsaved));
-        Ok(Found {
-            harvest,
-            pages: found,
-            tracked,
-            two_walks,
-        })
+        Ok(())
     }
+}
+
+/// What a page the write log named needs.
+enum Named {
+    /// Moving: page `.1` of cluster `.0`.
+    Move(u64, u32),
+    /// Nothing: a shared cluster (the file holds it), a hole (no page), or
+    /// zeros over a cluster the image has nothing for.
+    Nothing,
+    /// The page is not in the region (a log of a larger memslot).
+    Outside,
+}
+
+/// Classifies page `page` (from the region's start) that the log named.
+/// Writers must be held.
+fn logged_page(view: &View, image: &Image, page: u64) -> Named {
+    let cs = view.cs;
+    let Some(off) = page.checked_mul(PAGE_SIZE).filter(|&o| o < view.len()) else {
+        return Named::Outside;
+    };
+    let vcn = off / cs;
+    let index = ((off % cs) / PAGE_SIZE) as u32;
+    match view.clusters.get(vcn) {
+        ClusterState::Private => Named::Move(vcn, index),
+        ClusterState::Zero if zeros_over_a_hole(view, image, vcn, off) => Named::Nothing,
+        ClusterState::Zero => Named::Move(vcn, index),
+        ClusterState::Shared | ClusterState::Hole => Named::Nothing,
+    }
+}
+
+/// Whether zero-mapped cluster `vcn`'s page at region offset `off` reads
+/// as zeros and the image has nothing for the cluster: then the page
+/// needs no move (a zero-mapped cluster whose remap failed after a move
+/// is in the image, and zeros written there must be moved).
+fn zeros_over_a_hole(view: &View, image: &Image, vcn: u64, off: u64) -> bool {
+    matches!(image.cluster_source(vcn), ClusterSource::Hole) && page_is_zero(view, off)
 }
 
 /// Whether the page at region offset `off` is all zeros.
@@ -308,11 +453,29 @@ pub(crate) struct PendingScan {
     zero_ranges: Vec<(u64, u64)>,
     unsaved: u64,
     force_read: bool,
+    /// With a write log that a scan has primed: the pages of private and
+    /// zero-mapped clusters it named (no scan needed).
+    logged: Option<u64>,
 }
 
 impl Tracking {
-    /// What a status scan of `view` needs.
-    pub(crate) fn pending_scan(&self, view: &View) -> PendingScan {
+    /// What a status scan of `view` needs. With a primed write log, reads
+    /// it (its pages are kept for the next barrier) and counts what it
+    /// named instead.
+    pub(crate) fn pending_scan(&mut self, view: &View) -> PendingScan {
+        let logged = (self.log_primed && self.read_log()).then(|| {
+            self.logged
+                .iter()
+                .filter(|&&page| {
+                    let off = page.saturating_mul(PAGE_SIZE);
+                    off < view.len()
+                        && matches!(
+                            view.clusters.get(off / view.cs),
+                            ClusterState::Private | ClusterState::Zero
+                        )
+                })
+                .count() as u64
+        });
         let ([private, zero], _) = view
             .clusters
             .runs_of([ClusterState::Private, ClusterState::Zero]);
@@ -333,6 +496,7 @@ impl Tracking {
             zero_ranges: addr(zero),
             unsaved: self.unsaved.iter().map(|(_, p)| p.len() as u64).sum(),
             force_read: self.scanner.method() == ScanMethod::Read,
+            logged,
         }
     }
 }
@@ -343,8 +507,13 @@ impl Tracking {
 /// monitor change meanwhile only makes the count a moment old. Without
 /// write tracking, every private page counts (also those already in the
 /// image); with the pagemap read fallback, zero pages of zero-mapped holes
-/// too (an upper bound).
+/// too (an upper bound). With a primed write log, the pages it named in
+/// private and zero-mapped clusters (zero pages it named too: an upper
+/// bound), without a scan.
 pub(crate) fn pending_pages(scan: &PendingScan) -> Result<u64, PagemapError> {
+    if let Some(n) = scan.logged {
+        return Ok(n + scan.unsaved);
+    }
     let mut scanner = PageScanner::new(scan.force_read)?;
     let mut runs = Vec::new();
     let whole = |scanner: &mut PageScanner, runs: &mut Vec<(u64, u64)>| {

@@ -10,7 +10,9 @@
 //! is what a VMM holds (FLUSH, live snapshot, live overlay, status); its
 //! [`Monitor`] serves the faults. Copy-on-write pages are found with
 //! userfaultfd write-protect-async tracking and `PAGEMAP_SCAN`
-//! ([`pagemap`]), and stored per 4 KiB page.
+//! ([`pagemap`]), or, when the VMM gives the region one, with a
+//! [`WriteLog`] of the guest's writes (KVM's dirty log), and stored per
+//! 4 KiB page.
 //!
 //! # Modules, lowest first
 //!
@@ -25,6 +27,7 @@
 //!   writers; `pool`: the pre-allocation worker; `fault_poll`: the
 //!   monitor's adaptive poll window; `request`, `device`: the virtqueue's
 //!   requests and the device model; `raw`: raw files;
+//! - [`write_log`]: the write log a VMM may give a region;
 //! - `harvest`: write tracking and the pages a barrier moves; `state`:
 //!   the region state and its locks; `build`: building a region;
 //! - `fault`: fault resolution and the [`Monitor`]; `barrier`: the
@@ -89,6 +92,7 @@ pub mod request;
 mod state;
 pub mod uffd;
 mod view;
+pub mod write_log;
 
 pub use barrier::{BarrierError, BarrierStats};
 pub use build::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET, MAX_REGION_CLUSTERS};
@@ -109,3 +113,4 @@ pub use region::{PcowRegion, PmemBackend, Status};
 pub use request::{parse, Request, RequestError, RequestType};
 pub use state::{BarrierTotals, FaultCounters, NoImage};
 pub use uffd::{Uffd, UffdError};
+pub use write_log::{WriteLog, WriteLogError};

@@ -24,6 +24,7 @@ use crate::pool::{PoolOptions, PoolStatus};
 use crate::quiesce::Quiesce;
 use crate::raw::RawRegion;
 use crate::state::{BarrierTotals, FaultCounters, Shared, Writable};
+use crate::write_log::WriteLog;
 
 /// A pcow chain mapped as one host region, with its barrier.
 ///
@@ -51,7 +52,8 @@ impl std::fmt::Debug for PcowRegion {
 pub struct Status {
     /// Data clusters in the image file, all layers.
     pub allocated_clusters: u64,
-    /// Private pages a barrier would move now.
+    /// Private pages a barrier would move now (with a write log: the
+    /// pages it named in private and zero-mapped clusters, an upper bound).
     pub pending_private_pages: u64,
     /// Snapshots of the image.
     pub snapshots: Vec<SnapshotInfo>,
@@ -284,16 +286,34 @@ impl PcowRegion {
         Ok(self.lock()?.out_of_space.clone())
     }
 
+    /// Gives the region a write log of the guest's writes (a VMM: KVM's
+    /// dirty log of the region's memslot), which barriers then follow
+    /// instead of scanning the page tables: the first barrier after it
+    /// still scans once, for what was written before. A log that fails
+    /// later makes barriers scan again until it works (see
+    /// [`WriteLog::take_written`]). Replaces a log attached before.
+    pub fn attach_write_log(&self, log: Arc<dyn WriteLog>) -> Result<(), BarrierError> {
+        self.lock()?.tracking.attach_log(log);
+        Ok(())
+    }
+
+    /// Whether a write log is attached.
+    pub fn has_write_log(&self) -> Result<bool, BarrierError> {
+        Ok(self.lock()?.tracking.has_log())
+    }
+
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, crate::state::RegionState>, BarrierError> {
         self.shared.lock().map_err(|_| BarrierError::Poisoned)
     }
 
     /// Status for the API (does not hold writers). The state lock is held
-    /// only to copy what the status reports; the scan of the written pages
-    /// and the read of the process's mappings run without it.
+    /// only to copy what the status reports (and to read the write log,
+    /// whose pages are kept for the next barrier); the scan of the written
+    /// pages and the read of the process's mappings run without it.
     pub fn status(&self) -> Result<Status, BarrierError> {
         let (mut status, scan) = {
-            let st = self.lock()?;
+            let mut guard = self.lock()?;
+            let st = &mut *guard;
             let (allocated_clusters, snapshots, chain) = match &st.image {
                 Writable::Open(image) => (
                     image.allocated_clusters(),
@@ -352,10 +372,11 @@ impl PcowRegion {
             .barrier()
             .map_err(|e| FlushError::from_error(Box::new(e)))?;
         log::debug!(
-            "pmem FLUSH barrier: found={} copied={} tracked={} held_us={} scan_us={}",
+            "pmem FLUSH barrier: found={} copied={} tracked={} logged={} held_us={} scan_us={}",
             s.private_pages,
             s.pages_copied,
             s.tracked,
+            s.write_log,
             s.held.as_micros(),
             s.scan.as_micros()
         );

@@ -1,0 +1,178 @@
+//! KVM's dirty log of a pmem memslot as the device crate's
+//! [`WriteLog`]: a barrier then reads which pages the guest wrote
+//! (`KVM_GET_DIRTY_LOG`) instead of scanning the page tables of the
+//! whole region (see `virtio_pmem_pcow::write_log`).
+//!
+//! What it relies on of KVM: a slot registered with
+//! `KVM_MEM_LOG_DIRTY_PAGES` sets a page's bit whenever KVM gives the guest
+//! a writable mapping of it (a write fault, or a read of a page whose host
+//! mapping is already writable), so a page is either marked or mapped
+//! read-only for the guest. `KVM_GET_DIRTY_LOG` without manual protection
+//! (this VMM never enables `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`) takes and
+//! clears each word of the bitmap and write-protects its pages under the
+//! MMU lock, then flushes the TLBs before it returns: a write racing it is
+//! in the bitmap it returns (its page was writable, so marked) or faults
+//! again and is marked for the next call. The device holds the vCPUs
+//! paused while a barrier reads the log and copies the pages, so nothing
+//! races there at all; that also covers hosts whose KVM logs through a
+//! per-vCPU buffer (Intel's PML), flushed into the bitmap at every exit.
+//! A status read while the guest runs may miss a write still in such a
+//! buffer; the next read, a barrier's with the vCPUs out, names it. Host remaps of the region (barriers, overlays,
+//! holes returned with `MADV_DONTNEED`) only drop KVM's mappings; the
+//! bitmap is per guest page of the slot and keeps its bits.
+//!
+//! The cost on the guest: KVM maps a logged slot with 4 KiB pages only,
+//! and the first write to each page after a read of the log takes a fault
+//! into KVM (no exit to the VMM).
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvm_bindings::kvm_dirty_log;
+use kvm_ioctls::VmFd;
+use std::os::fd::AsRawFd;
+use virtio_pmem_pcow::{WriteLog, WriteLogError};
+
+/// `KVM_GET_DIRTY_LOG`: `_IOW(KVMIO, 0x42, struct kvm_dirty_log)`.
+const KVM_GET_DIRTY_LOG: libc::c_ulong = (1 << 30)
+    | ((std::mem::size_of::<kvm_dirty_log>() as libc::c_ulong) << 16)
+    | (0xAE << 8)
+    | 0x42;
+
+/// Host page size the log counts in.
+const PAGE: u64 = 4096;
+
+/// Errors of the dirty log.
+#[allow(missing_docs)] // the messages document the variants
+#[derive(Debug, thiserror::Error)]
+pub enum DirtyLogError {
+    #[error("KVM_GET_DIRTY_LOG of memslot {slot}")]
+    Get {
+        slot: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("memslot {slot} was deleted")]
+    Deleted { slot: u32 },
+    #[error("no memory for the dirty bitmap of {pages} pages")]
+    Memory {
+        pages: u64,
+        #[source]
+        source: std::collections::TryReserveError,
+    },
+}
+
+/// The slot's log state, shared by the [`crate::vm::Memslot`] (which marks
+/// it deleted, under the lock, before it deletes the slot: a read never
+/// reaches a slot number that may have been given to another region) and
+/// the [`KvmDirtyLog`].
+#[derive(Debug)]
+pub(crate) struct SlotLog {
+    vm: Arc<VmFd>,
+    slot: u32,
+    live: bool,
+    /// One bit per page of the slot, reused by every read.
+    bitmap: Vec<u64>,
+}
+
+/// The slot's log, shared.
+pub(crate) type SharedSlotLog = Arc<Mutex<SlotLog>>;
+
+impl SlotLog {
+    /// The log of `slot` (`len` bytes, registered with
+    /// `KVM_MEM_LOG_DIRTY_PAGES`).
+    pub(crate) fn new(vm: Arc<VmFd>, slot: u32, len: u64) -> Result<SharedSlotLog, DirtyLogError> {
+        let pages = len.div_ceil(PAGE);
+        let words = pages.div_ceil(64) as usize;
+        let mut bitmap = Vec::new();
+        bitmap
+            .try_reserve_exact(words)
+            .map_err(|source| DirtyLogError::Memory { pages, source })?;
+        bitmap.resize(words, 0);
+        Ok(Arc::new(Mutex::new(SlotLog {
+            vm,
+            slot,
+            live: true,
+            bitmap,
+        })))
+    }
+
+    /// Marks the slot deleted (before it is).
+    pub(crate) fn retire(log: &SharedSlotLog) {
+        lock(log).live = false;
+    }
+
+    /// Reads and clears the log: calls `into` with each page marked.
+    fn take(&mut self, into: &mut dyn FnMut(u64)) -> Result<(), DirtyLogError> {
+        if !self.live {
+            return Err(DirtyLogError::Deleted { slot: self.slot });
+        }
+        let arg = kvm_dirty_log {
+            slot: self.slot,
+            padding1: 0,
+            __bindgen_anon_1: kvm_bindings::kvm_dirty_log__bindgen_ty_1 {
+                dirty_bitmap: self.bitmap.as_mut_ptr().cast(),
+            },
+        };
+        // `arg` names a slot of this VM (live: its Memslot has not deleted
+        // it, checked under the lock the deletion takes) and a bitmap of
+        // one bit per page of that slot (sized from its length), which
+        // outlives the call; KVM writes only the bitmap.
+        // SAFETY: so the ioctl writes only memory this function owns.
+        let r = unsafe { libc::ioctl(self.vm.as_raw_fd(), KVM_GET_DIRTY_LOG as _, &arg) };
+        if r < 0 {
+            return Err(DirtyLogError::Get {
+                slot: self.slot,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        for (i, word) in self.bitmap.iter().enumerate() {
+            let mut w = *word;
+            while w != 0 {
+                let bit = u64::from(w.trailing_zeros());
+                into(i as u64 * 64 + bit);
+                w &= w - 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn lock(log: &SharedSlotLog) -> MutexGuard<'_, SlotLog> {
+    // The state is a flag and a scratch bitmap: valid after any panic.
+    log.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// KVM's dirty log of one memslot, for a pcow region
+/// ([`virtio_pmem_pcow::PcowRegion::attach_write_log`]).
+#[derive(Debug, Clone)]
+pub struct KvmDirtyLog(pub(crate) SharedSlotLog);
+
+impl KvmDirtyLog {
+    /// Reads and clears the log: the pages (from the slot's start) written
+    /// since the previous read.
+    pub fn take(&self, into: &mut dyn FnMut(u64)) -> Result<(), DirtyLogError> {
+        lock(&self.0).take(into)
+    }
+}
+
+impl WriteLog for KvmDirtyLog {
+    fn take_written(&self, into: &mut dyn FnMut(u64)) -> Result<(), WriteLogError> {
+        self.take(into).map_err(|e| WriteLogError {
+            what: "KVM dirty log".into(),
+            source: Box::new(e),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ioctl_number_is_the_kernels() {
+        // include/uapi/linux/kvm.h: _IOW(KVMIO, 0x42, struct kvm_dirty_log)
+        // with a 16-byte struct.
+        assert_eq!(std::mem::size_of::<kvm_dirty_log>(), 16);
+        assert_eq!(KVM_GET_DIRTY_LOG, 0x4010_ae42);
+    }
+}
