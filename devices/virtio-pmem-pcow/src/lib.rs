@@ -87,6 +87,7 @@ pub mod raw;
 mod region;
 pub mod request;
 mod state;
+mod thread_hook;
 pub mod uffd;
 mod view;
 
@@ -108,4 +109,5 @@ pub use raw::{RawError, RawRegion};
 pub use region::{PcowRegion, PmemBackend, Status};
 pub use request::{parse, Request, RequestError, RequestType};
 pub use state::{BarrierTotals, FaultCounters, NoImage};
+pub use thread_hook::{ConfineError, DeviceThread, HookError, ThreadHook};
 pub use uffd::{Uffd, UffdError};
