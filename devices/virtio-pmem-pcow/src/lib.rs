@@ -42,6 +42,11 @@
 //! - the pool worker (one per device) reserves clusters with `fallocate`
 //!   off the fault path and signals the pool's eventfd.
 //!
+//! The two threads this crate spawns (the monitor's, the pool worker) run
+//! [`RegionOptions::thread_hook`] first, if the user gave one
+//! ([`ThreadHook`], `thread_hook.rs`): the VMM installs a seccomp filter
+//! there without this crate knowing about seccomp.
+//!
 //! # Locks, in the order they are taken
 //!
 //! 1. the barrier lock (`Shared::serialize`): one barrier, snapshot or
