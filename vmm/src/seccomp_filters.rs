@@ -11,10 +11,16 @@
 //!   boots or restores a VM, so every thread spawned after that inherits the
 //!   VMM's filter (seccomp filters are inherited across `clone`) and then
 //!   narrows itself with its own list: a thread can only ever make the calls
-//!   that every filter on its stack allows. Threads that have no list of
-//!   their own here (the device crate's `pmemN-fault` monitor and its
-//!   `pcow-pool` worker, the API's per-connection threads) run under the
-//!   filter of the thread that spawned them.
+//!   that every filter on its stack allows. The device crate's
+//!   `pmemN-fault` monitor and `pcow-pool` worker install theirs through
+//!   the device crate's thread hook ([`device_thread_hook`], given in the
+//!   region's options); the API's per-connection threads run under the
+//!   acceptor's (`http-api`) list.
+//! - `ioctl` is allowed only with the request numbers of the kind's table
+//!   ([`ioctls`]), compared on the low 32 bits of the second argument,
+//!   which is all the kernel reads (`ioctl`'s `cmd` is an `unsigned int`).
+//!   A kind with an empty table may not call `ioctl` at all. Filters stack,
+//!   so the VMM thread's table holds every other kind's requests too.
 //! - `--seccomp true` traps a call outside the list: the SIGSYS handler
 //!   writes one line naming the thread kind, the call's number and its first
 //!   two arguments (an `ioctl`'s request) to standard error, and the process
