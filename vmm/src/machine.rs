@@ -49,6 +49,7 @@ use crate::pci::{
     VirtioDevice, VirtioPciDevice,
 };
 use crate::pmem_threads::{DeviceAlerts, PmemThreads};
+use crate::seccomp_filters;
 use crate::vcpu::{self, MmioBus, Vcpu, VcpuControl, VcpuThread};
 use crate::vm::{Memslot, Vm};
 
@@ -62,6 +63,15 @@ fn discard_dir() -> Option<PathBuf> {
     std::env::var_os(DISCARD_DIR_ENV)
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
+}
+
+/// How the VMM opens a pcow region: the device crate's threads (fault
+/// monitor, pool worker) install their seccomp filters as they start.
+fn region_options() -> RegionOptions {
+    RegionOptions {
+        thread_hook: Some(seccomp_filters::device_thread_hook()),
+        ..RegionOptions::default()
+    }
 }
 
 /// Opens a pcow device with `discard_writes`: the guest writes into a
@@ -83,7 +93,7 @@ fn open_discarding(
         &p.file,
         &TempOptions { dir, named: false },
         ctl,
-        &RegionOptions::default(),
+        &region_options(),
     )
     .map_err(|source| MachineError::PcowDiscard {
         id: p.id.clone(),
@@ -670,7 +680,7 @@ impl Machine {
                     let (region, monitor) = if discard {
                         open_discarding(p, ctl.clone())?
                     } else {
-                        PcowRegion::open(&p.file, ctl.clone(), &RegionOptions::default()).map_err(
+                        PcowRegion::open(&p.file, ctl.clone(), &region_options()).map_err(
                             |source| MachineError::PcowRegion {
                                 id: p.id.clone(),
                                 path: p.file.clone(),

@@ -11,27 +11,37 @@
 //!   boots or restores a VM, so every thread spawned after that inherits the
 //!   VMM's filter (seccomp filters are inherited across `clone`) and then
 //!   narrows itself with its own list: a thread can only ever make the calls
-//!   that every filter on its stack allows. Threads that have no list of
-//!   their own here (the device crate's `pmemN-fault` monitor and its
-//!   `pcow-pool` worker, the API's per-connection threads) run under the
-//!   filter of the thread that spawned them.
+//!   that every filter on its stack allows. The device crate's
+//!   `pmemN-fault` monitor and `pcow-pool` worker install theirs through
+//!   the device crate's thread hook ([`device_thread_hook`], given in the
+//!   region's options); the API's per-connection threads run under the
+//!   acceptor's (`http-api`) list.
+//! - `ioctl` is allowed only with the request numbers of the kind's table
+//!   ([`ioctls`]), compared on the low 32 bits of the second argument,
+//!   which is all the kernel reads (`ioctl`'s `cmd` is an `unsigned int`).
+//!   A kind with an empty table may not call `ioctl` at all. Filters stack,
+//!   so the VMM thread's table holds every other kind's requests too.
 //! - `--seccomp true` traps a call outside the list: the SIGSYS handler
 //!   writes one line naming the thread kind, the call's number and its first
 //!   two arguments (an `ioctl`'s request) to standard error, and the process
 //!   dies of SIGSYS (as upstream, which also traps and aborts). `log` lets
 //!   the call through and the kernel logs it (`SECCOMP_RET_LOG`: the audit
 //!   log or `dmesg`); `errno` fails it with `EPERM`; `false` installs none.
-//!
-//! The lists allow `ioctl` without looking at its request number (which is
-//! what upstream narrows further).
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, SeccompRule, TargetArch};
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+use virtio_pmem_pcow::{pagemap, uffd, DeviceThread, ThreadHook};
 
 use crate::config::options::Seccomp;
+
+mod requests;
+use requests::*;
 
 /// The kinds of threads that install a filter of their own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -49,17 +59,25 @@ pub enum ThreadKind {
     Chardev,
     /// The `--event-monitor` writer.
     EventMonitor,
+    /// A pcow device's userfaultfd monitor (`pmemN-fault`, the device
+    /// crate's thread): resolves faults, tracks writes of new mappings.
+    PmemFault,
+    /// A pcow image's pre-allocation worker (`pcow-pool`, the device
+    /// crate's thread): fallocate on its own handle of the image.
+    PcowPool,
 }
 
 impl ThreadKind {
     /// Every kind (for building and testing all lists).
-    pub const ALL: [ThreadKind; 6] = [
+    pub const ALL: [ThreadKind; 8] = [
         ThreadKind::Vmm,
         ThreadKind::Vcpu,
         ThreadKind::PmemQueue,
         ThreadKind::HttpApi,
         ThreadKind::Chardev,
         ThreadKind::EventMonitor,
+        ThreadKind::PmemFault,
+        ThreadKind::PcowPool,
     ];
 
     /// The name the SIGSYS report gives.
@@ -71,6 +89,8 @@ impl ThreadKind {
             ThreadKind::HttpApi => "http-api",
             ThreadKind::Chardev => "chardev",
             ThreadKind::EventMonitor => "event-monitor",
+            ThreadKind::PmemFault => "pmem-fault",
+            ThreadKind::PcowPool => "pcow-pool",
         }
     }
 }
@@ -159,8 +179,8 @@ const SPAWN: &[i64] = &[
 
 /// pcow image I/O: reads and writes, durability (fsync of files and of
 /// directories), space, locks, the live overlay's and the barrier's
-/// mappings (mremap, PAGEMAP_SCAN on /proc/self/pagemap through ioctl),
-/// and KVM's dirty log of a pmem memslot (KVM_GET_DIRTY_LOG, ioctl).
+/// mappings (mremap; PAGEMAP_SCAN on /proc/self/pagemap and KVM's dirty log
+/// of a pmem memslot, KVM_GET_DIRTY_LOG, are `ioctl`s, in the request tables).
 const IMAGE_IO: &[i64] = &[
     libc::SYS_fadvise64,
     libc::SYS_fallocate,
@@ -171,7 +191,6 @@ const IMAGE_IO: &[i64] = &[
     libc::SYS_fstatfs,
     libc::SYS_fsync,
     libc::SYS_ftruncate,
-    libc::SYS_ioctl,
     libc::SYS_lseek,
     libc::SYS_mincore,
     libc::SYS_mremap,
@@ -249,7 +268,6 @@ const SOCKETS: &[i64] = &[
     libc::SYS_accept4,
     libc::SYS_fcntl,
     libc::SYS_getsockopt,
-    libc::SYS_ioctl,
     libc::SYS_recvfrom,
     libc::SYS_recvmsg,
     libc::SYS_sendmsg,
@@ -272,7 +290,186 @@ const LANDLOCK_SELF: &[i64] = &[
     libc::SYS_prctl,
 ];
 
-/// The system calls a kind of thread may make.
+/// A userfaultfd or pagemap request number, as the filters compare it.
+const fn dev(request: libc::c_ulong) -> u32 {
+    request as u32
+}
+
+/// A `libc` terminal or socket request number, as the filters compare it.
+const fn tty(request: libc::Ioctl) -> u32 {
+    request as u32
+}
+
+// The `ioctl` requests of each kind: one table per kind. KVM's numbers are
+// in `seccomp_filters/requests.rs`, userfaultfd's and PAGEMAP_SCAN are the
+// device crate's own (the numbers its calls use), the rest `libc`'s.
+
+/// The VMM thread's own requests (it also holds every other table, see
+/// [`ioctls`]): KVM set-up of the system, the VM and each vCPU before its
+/// thread starts (CPUID, MSRs, FPU, LAPIC, boot registers), the VM-wide
+/// state of `vm.snapshot`/`vm.restore` (irqchip, clock); the regions'
+/// userfaultfds (opened, registered) and barriers run from the API
+/// (`vm.pmem-flush`, snapshots, overlays: PAGEMAP_SCAN, write-protect); the
+/// terminal (`isatty` of standard input, raw mode for `tty`, a new `pty`:
+/// `grantpt`, `unlockpt`, `ptsname_r`) and the non-blocking chardev
+/// sockets (`--serial socket=`: std's `set_nonblocking` is FIONBIO).
+const VMM_IOCTLS: &[u32] = &[
+    KVM_GET_API_VERSION,
+    KVM_CREATE_VM,
+    KVM_GET_VCPU_MMAP_SIZE,
+    KVM_CHECK_EXTENSION,
+    KVM_GET_SUPPORTED_CPUID,
+    KVM_GET_MSR_INDEX_LIST,
+    KVM_CREATE_VCPU,
+    KVM_SET_USER_MEMORY_REGION,
+    KVM_GET_DIRTY_LOG,
+    KVM_SET_TSS_ADDR,
+    KVM_CREATE_IRQCHIP,
+    KVM_IRQFD,
+    KVM_IOEVENTFD,
+    KVM_SET_GSI_ROUTING,
+    KVM_GET_IRQCHIP,
+    KVM_SET_IRQCHIP,
+    KVM_GET_CLOCK,
+    KVM_SET_CLOCK,
+    KVM_SET_CPUID2,
+    KVM_SET_MSRS,
+    KVM_SET_FPU,
+    KVM_GET_LAPIC,
+    KVM_SET_LAPIC,
+    KVM_SET_REGS,
+    KVM_GET_SREGS,
+    KVM_SET_SREGS,
+    dev(uffd::UFFDIO_API),
+    dev(uffd::USERFAULTFD_IOC_NEW),
+    dev(uffd::UFFDIO_REGISTER),
+    dev(uffd::UFFDIO_WRITEPROTECT),
+    dev(pagemap::PAGEMAP_SCAN),
+    tty(libc::TCGETS),
+    tty(libc::TCSETS),
+    tty(libc::TIOCGPTN),
+    tty(libc::TIOCSPTLCK),
+    tty(libc::FIONBIO),
+];
+
+/// A vCPU thread: `KVM_RUN` and `KVM_NMI`; what the guest's MMIO and port
+/// writes make it do (MSI-X vectors programmed: the GSI routes; a BAR
+/// moved: its queue notifications' ioeventfds); and the vCPU state that
+/// `vm.snapshot` reads and a restore writes on the vCPU's own thread
+/// (`snapshot/cpu_state.rs`).
+const VCPU_IOCTLS: &[u32] = &[
+    KVM_RUN,
+    KVM_NMI,
+    KVM_SET_GSI_ROUTING,
+    KVM_IOEVENTFD,
+    KVM_GET_REGS,
+    KVM_SET_REGS,
+    KVM_GET_SREGS,
+    KVM_SET_SREGS,
+    KVM_GET_FPU,
+    KVM_SET_FPU,
+    KVM_GET_XSAVE,
+    KVM_SET_XSAVE,
+    KVM_GET_XCRS,
+    KVM_SET_XCRS,
+    KVM_GET_LAPIC,
+    KVM_SET_LAPIC,
+    KVM_GET_MSRS,
+    KVM_SET_MSRS,
+    KVM_GET_VCPU_EVENTS,
+    KVM_SET_VCPU_EVENTS,
+    KVM_GET_MP_STATE,
+    KVM_SET_MP_STATE,
+    KVM_GET_DEBUGREGS,
+    KVM_SET_DEBUGREGS,
+    KVM_GET_TSC_KHZ,
+    KVM_SET_TSC_KHZ,
+    KVM_GET_CPUID2,
+    KVM_SET_CPUID2,
+];
+
+/// A pmem queue thread: the FLUSH barrier finds written pages (KVM's dirty
+/// log of the pmem memslot, or PAGEMAP_SCAN where KVM has none),
+/// write-protects them again and tracks clusters it maps private
+/// (UFFDIO_REGISTER in write-protect mode).
+const PMEM_QUEUE_IOCTLS: &[u32] = &[
+    KVM_GET_DIRTY_LOG,
+    dev(pagemap::PAGEMAP_SCAN),
+    dev(uffd::UFFDIO_WRITEPROTECT),
+    dev(uffd::UFFDIO_REGISTER),
+];
+
+/// A pcow device's fault monitor: fills holes with zeros (ZEROPAGE, COPY
+/// of a zero page where ZEROPAGE cannot) and wakes the faulting threads.
+const PMEM_FAULT_IOCTLS: &[u32] = &[
+    dev(uffd::UFFDIO_ZEROPAGE),
+    dev(uffd::UFFDIO_COPY),
+    dev(uffd::UFFDIO_WAKE),
+];
+
+/// The `ioctl` requests `kind` may make (empty: no `ioctl` at all). The
+/// pool worker, the API, the chardev writers and the event monitor make
+/// none. The VMM thread's filter is inherited by every thread it spawns
+/// and stacks under theirs, so it allows each of their requests too.
+pub fn ioctls(kind: ThreadKind) -> Vec<u32> {
+    let parts: &[&[u32]] = match kind {
+        ThreadKind::Vmm => &[
+            VMM_IOCTLS,
+            VCPU_IOCTLS,
+            PMEM_QUEUE_IOCTLS,
+            PMEM_FAULT_IOCTLS,
+        ],
+        ThreadKind::Vcpu => &[VCPU_IOCTLS],
+        ThreadKind::PmemQueue => &[PMEM_QUEUE_IOCTLS],
+        ThreadKind::PmemFault => &[PMEM_FAULT_IOCTLS],
+        ThreadKind::HttpApi
+        | ThreadKind::Chardev
+        | ThreadKind::EventMonitor
+        | ThreadKind::PcowPool => &[],
+    };
+    let mut requests: Vec<u32> = parts.iter().flat_map(|p| p.iter().copied()).collect();
+    requests.sort_unstable();
+    requests.dedup();
+    requests
+}
+
+/// The fault monitor's image I/O: a cluster allocated in the image (the
+/// pool's reserve refilled inline when there is no worker: `fallocate`, or
+/// a look at the file and `ftruncate` where the file system cannot), the
+/// image's own reads and writes; never opening a file.
+const FAULT_IO: &[i64] = &[
+    libc::SYS_fallocate,
+    libc::SYS_fcntl,
+    libc::SYS_fdatasync,
+    libc::SYS_fstat,
+    libc::SYS_fsync,
+    libc::SYS_ftruncate,
+    libc::SYS_lseek,
+    libc::SYS_mincore,
+    libc::SYS_mremap,
+    libc::SYS_newfstatat,
+    libc::SYS_pread64,
+    libc::SYS_preadv,
+    libc::SYS_pwrite64,
+    libc::SYS_pwritev,
+    libc::SYS_statx,
+];
+
+/// What the pool worker does: `fallocate` on its own handle of the image
+/// (where the file system cannot, its size grows with `ftruncate` after a
+/// look at it), and its eventfd's write (in COMMON); fcntl(F_GETFD): std
+/// checks a descriptor it is handed.
+const POOL: &[i64] = &[
+    libc::SYS_fallocate,
+    libc::SYS_fcntl,
+    libc::SYS_fstat,
+    libc::SYS_newfstatat,
+    libc::SYS_statx,
+    libc::SYS_ftruncate,
+];
+
+/// The system calls a kind of thread may make (`ioctl` when its table of
+/// requests is not empty, and then only those, see [`ioctls`]).
 pub fn allowed(kind: ThreadKind) -> Vec<i64> {
     let parts: &[&[i64]] = match kind {
         // The VMM thread's filter is inherited by every thread it spawns,
@@ -289,7 +486,7 @@ pub fn allowed(kind: ThreadKind) -> Vec<i64> {
             CHARDEV_SOCKET,
         ],
         // fcntl: the serial port's output toggles O_NONBLOCK.
-        ThreadKind::Vcpu => &[COMMON, EVENTS, &[libc::SYS_ioctl, libc::SYS_fcntl]],
+        ThreadKind::Vcpu => &[COMMON, EVENTS, &[libc::SYS_fcntl]],
         ThreadKind::PmemQueue => &[COMMON, EVENTS, IMAGE_IO, NAMES],
         // The acceptor spawns one thread per connection.
         // A request's paths are checked there (a FIFO given as a pmem file
@@ -297,8 +494,17 @@ pub fn allowed(kind: ThreadKind) -> Vec<i64> {
         ThreadKind::HttpApi => &[COMMON, EVENTS, SPAWN, SOCKETS, LOOKUPS, LANDLOCK_SELF],
         ThreadKind::Chardev => &[COMMON, &[libc::SYS_fsync, libc::SYS_fdatasync]],
         ThreadKind::EventMonitor => &[COMMON, LANDLOCK_SELF],
+        // Its epoll loop over the userfaultfd and the pool's eventfd, the
+        // mappings of the clusters it hands out (mmap, in COMMON) and the
+        // image I/O of a pool it refills inline (no worker) or of a
+        // cluster it allocates; never a name.
+        ThreadKind::PmemFault => &[COMMON, EVENTS, FAULT_IO],
+        ThreadKind::PcowPool => &[COMMON, POOL],
     };
     let mut calls: Vec<i64> = parts.iter().flat_map(|p| p.iter().copied()).collect();
+    if !ioctls(kind).is_empty() {
+        calls.push(libc::SYS_ioctl);
+    }
     calls.sort_unstable();
     calls.dedup();
     calls
@@ -316,13 +522,32 @@ pub fn mismatch_action(mode: Seccomp) -> Option<SeccompAction> {
 
 /// Builds the BPF program of `kind`'s list, with `on_mismatch` for the rest.
 pub fn program(kind: ThreadKind, on_mismatch: SeccompAction) -> Result<BpfProgram, SeccompError> {
-    let rules: BTreeMap<i64, Vec<SeccompRule>> =
-        allowed(kind).into_iter().map(|nr| (nr, vec![])).collect();
-    let filter = SeccompFilter::new(rules, on_mismatch, SeccompAction::Allow, TargetArch::x86_64)
-        .map_err(|source| SeccompError::Build {
+    let build = |source| SeccompError::Build {
         kind: kind.name(),
         source,
-    })?;
+    };
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        allowed(kind).into_iter().map(|nr| (nr, vec![])).collect();
+    if let Some(slot) = rules.get_mut(&libc::SYS_ioctl) {
+        // One rule per request: the call matches if any of them does.
+        // Dword compares the low 32 bits, all the kernel reads of `cmd`.
+        let by_request = ioctls(kind)
+            .into_iter()
+            .map(|request| {
+                let cond = SeccompCondition::new(
+                    1,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::Eq,
+                    u64::from(request),
+                )?;
+                SeccompRule::new(vec![cond])
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(build)?;
+        *slot = by_request;
+    }
+    let filter = SeccompFilter::new(rules, on_mismatch, SeccompAction::Allow, TargetArch::x86_64)
+        .map_err(build)?;
     filter.try_into().map_err(|source| SeccompError::Compile {
         kind: kind.name(),
         source,
@@ -374,6 +599,20 @@ pub fn apply(kind: ThreadKind) -> Result<(), SeccompError> {
         return Ok(());
     };
     apply_program(kind, program)
+}
+
+/// The hook the VMM gives the device crate ([`virtio_pmem_pcow::RegionOptions::thread_hook`]):
+/// its fault monitor applies [`ThreadKind::PmemFault`], its pool worker
+/// [`ThreadKind::PcowPool`] (nothing before [`init`] or under `--seccomp
+/// false`, as [`apply`]).
+pub fn device_thread_hook() -> ThreadHook {
+    ThreadHook::new(|thread| {
+        let kind = match thread {
+            DeviceThread::Fault => ThreadKind::PmemFault,
+            DeviceThread::Pool => ThreadKind::PcowPool,
+        };
+        apply(kind).map_err(Into::into)
+    })
 }
 
 /// Installs `program` (built for `kind`) on the calling thread.

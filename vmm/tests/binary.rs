@@ -613,6 +613,104 @@ fn serial_socket_and_console_pty_while_the_guest_runs() {
     assert!(!sock.exists(), "the socket file is left behind");
 }
 
+/// `--serial tty --console tty` on a real terminal (a pty this test
+/// opens), with the default `--seccomp true`: the VMM thread checks the
+/// terminal and puts it in raw mode under its filter (TCGETS, TCSETS in
+/// its table), and puts it back as it exits.
+#[test]
+fn serial_and_console_on_a_terminal_under_the_filters() {
+    let _serial = common::serial();
+    if !Path::new("/dev/kvm").exists() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "no /dev/kvm under CI: this test must run"
+        );
+        println!("SKIPPED: no /dev/kvm");
+        return;
+    }
+    // SAFETY: posix_openpt takes flags only; the result is checked.
+    let main = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+    assert!(
+        main >= 0,
+        "posix_openpt: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: `main` is the pty's main side, owned here from now on.
+    let main = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(main) };
+    use std::os::fd::AsRawFd;
+    let mut name = [0 as libc::c_char; 128];
+    // SAFETY: grantpt/unlockpt on a pty main side; ptsname_r writes at
+    // most `name.len()` bytes into `name`.
+    let ok = unsafe {
+        libc::grantpt(main.as_raw_fd()) == 0
+            && libc::unlockpt(main.as_raw_fd()) == 0
+            && libc::ptsname_r(main.as_raw_fd(), name.as_mut_ptr(), name.len()) == 0
+    };
+    assert!(ok, "pty: {}", std::io::Error::last_os_error());
+    // SAFETY: ptsname_r succeeded: `name` is NUL-terminated.
+    let path = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let term = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let canonical = |f: &std::fs::File| {
+        // SAFETY: termios is plain data, filled by tcgetattr.
+        let mut t: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: `f` is an open terminal; `t` is valid for the call.
+        assert_eq!(unsafe { libc::tcgetattr(f.as_raw_fd(), &mut t) }, 0);
+        t.c_lflag & libc::ICANON != 0
+    };
+    assert!(canonical(&term), "a new terminal is canonical");
+    let f = Fixture::new();
+    let kernel = f.halting_kernel();
+    let mut child = Command::new(BIN)
+        .args([
+            "--kernel",
+            &kernel,
+            "--memory",
+            "size=64M",
+            "--serial",
+            "tty",
+            "--console",
+            "tty",
+        ])
+        .stdin(term.try_clone().unwrap())
+        .stdout(term.try_clone().unwrap())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn cloud-hypervisor");
+    let t0 = Instant::now();
+    while canonical(&term) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20) && child.try_wait().unwrap().is_none(),
+            "the terminal never went raw"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Let the machine finish building and the guest start.
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = wait_for(&mut child, Duration::from_secs(30));
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let mut log = String::new();
+    use std::io::Read;
+    let _ = child
+        .stderr
+        .take()
+        .expect("stderr")
+        .read_to_string(&mut log);
+    assert!(!log.contains("seccomp:"), "{log}");
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    assert!(canonical(&term), "the terminal was not put back:\n{log}");
+    drop(main);
+}
+
 /// A `--pmem file=` name holding byte 0xff is refused with an error that
 /// shows the byte; the file whose name holds U+FFFD instead (what a lossy
 /// conversion would open) is not touched.

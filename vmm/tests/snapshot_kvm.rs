@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress};
 use vmm::cpu;
+use vmm::seccomp_filters;
 use vmm::snapshot::cpu_state::{CpuStateContext, CpuStateError, Msr, VcpuState};
 use vmm::snapshot::hex_bytes::HexBytes;
 use vmm::snapshot::vm_state::{VmState, VmStateError};
@@ -37,8 +38,27 @@ const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
 const MSR_KVM_WALL_CLOCK_NEW: u32 = 0x4b56_4d00;
 const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
 
+/// Set in the child of [`the_round_trips_run_under_the_seccomp_filters`]:
+/// the VMM's filters are on, as in the binary.
+const SECCOMP_CHILD: &str = "PCOW_SNAPSHOT_KVM_SECCOMP";
+
+/// In that child: `--seccomp true` for the process (once) and the VMM
+/// thread's list on the calling thread before it makes a VM, as `main`
+/// does; the vCPU threads it spawns then install theirs ([`vcpu::spawn`]).
+fn confine_if_asked() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    if std::env::var_os(SECCOMP_CHILD).is_none() {
+        return;
+    }
+    INIT.call_once(|| {
+        seccomp_filters::init(vmm::config::options::Seccomp::True).expect("seccomp init")
+    });
+    seccomp_filters::apply(seccomp_filters::ThreadKind::Vmm).expect("seccomp vmm");
+}
+
 /// A VM with its in-kernel irqchip, or `None` (SKIPPED) without KVM.
 fn vm_with_irqchip(test: &str) -> Option<Vm> {
+    confine_if_asked();
     let vm = vm_or_skip(test, M2)?;
     vm.fd().create_irq_chip().expect("KVM_CREATE_IRQCHIP");
     Some(vm)
@@ -321,6 +341,40 @@ fn the_guest_counts_on_from_where_it_was_in_a_fresh_vm() {
     assert!(now[0].regs.rax >= later);
     eprintln!("{test}: counter {at} at the snapshot, {later} after the restore");
     run.stop();
+}
+
+/// The two round trips above again, in a child process with the VMM's
+/// seccomp filters on (`--seccomp true`): every vCPU state ioctl runs on a
+/// vCPU thread under the vCPU list, the VM state and the set-up under the
+/// VMM's. A request missing from a table kills the child with the SIGSYS
+/// report.
+#[test]
+fn the_round_trips_run_under_the_seccomp_filters() {
+    let test = "the_round_trips_run_under_the_seccomp_filters";
+    for name in [
+        "vcpu_and_vm_state_restored_into_a_fresh_vm_capture_the_same",
+        "the_guest_counts_on_from_where_it_was_in_a_fresh_vm",
+    ] {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(SECCOMP_CHILD, "1")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            out.status.success() && !stderr.contains("seccomp:"),
+            "{name} under the filters: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            out.status
+        );
+        if stdout.contains("SKIPPED") {
+            println!("SKIPPED {test}: no /dev/kvm");
+            return;
+        }
+        assert!(stdout.contains("1 passed"), "{name}: {stdout}");
+    }
 }
 
 #[test]

@@ -96,8 +96,9 @@ impl Vmm {
 
     /// Every thread of the VMM runs under a seccomp filter (the default
     /// `--seccomp true`): mode 2 in its /proc status. vCPU and pmem queue
-    /// threads stack their own list on the VMM thread's (2 filters).
-    /// Returns the thread names seen.
+    /// threads, and the device crate's fault monitors and pool workers
+    /// (through the VMM's thread hook), stack their own list on the VMM
+    /// thread's (2 filters). Returns the thread names seen.
     fn assert_filtered(&self) -> Vec<String> {
         let task = PathBuf::from(format!("/proc/{}/task", self.child.id()));
         let mut names = Vec::new();
@@ -119,7 +120,10 @@ impl Vmm {
             };
             assert_eq!(field("Seccomp:"), "2", "thread {comm} unfiltered");
             let filters: u32 = field("Seccomp_filters:").parse().unwrap();
-            let own = comm.starts_with("vcpu") || comm.ends_with("-queue");
+            let own = comm.starts_with("vcpu")
+                || comm.ends_with("-queue")
+                || comm.ends_with("-fault")
+                || comm == "pcow-pool";
             assert!(filters >= if own { 2 } else { 1 }, "{comm}: {filters}");
             names.push(comm);
         }
@@ -238,7 +242,14 @@ fn snapshot_restore_clones_rollback_and_refusals() {
         "not running",
     );
     a.ok("vm.boot", None);
-    a.wait_filtered(&["vcpu0", "vcpu1", "pmem0-queue", "pmem0-fault", "http-api"]);
+    a.wait_filtered(&[
+        "vcpu0",
+        "vcpu1",
+        "pmem0-queue",
+        "pmem0-fault",
+        "pcow-pool",
+        "http-api",
+    ]);
     a.refused(
         "vm.snapshot",
         json!({"destination_url": url(&snap)}),
@@ -324,7 +335,7 @@ fn snapshot_restore_clones_rollback_and_refusals() {
     b.ok("vm.resume", None);
     assert_eq!(b.info()["state"], "Running");
     // Restored through the API: its threads are filtered as well.
-    b.wait_filtered(&["vcpu0", "vcpu1", "pmem0-queue", "pmem0-fault"]);
+    b.wait_filtered(&["vcpu0", "vcpu1", "pmem0-queue", "pmem0-fault", "pcow-pool"]);
     let (st, pinfo) = call(&b.sock, "GET", "vm.pmem-info", None);
     assert_eq!(st, 200, "{pinfo}");
     assert!(pinfo.contains("clone1.pcow"), "{pinfo}");

@@ -101,6 +101,9 @@ pub struct RegionOptions {
     /// nobody wrote back into a hole; a later read faults it in again.
     /// `None` is [`DEFAULT_ZERO_BUDGET`].
     pub zero_budget: Option<u64>,
+    /// Runs first on each thread the region spawns (its monitor's, its
+    /// pool worker), see [`crate::ThreadHook`]; `None` runs nothing.
+    pub thread_hook: Option<crate::ThreadHook>,
 }
 
 /// The default of [`RegionOptions::zero_budget`]: 256 MiB, at most about
@@ -232,7 +235,7 @@ pub(crate) fn build(
     };
     let zero_budget = opts.zero_budget.unwrap_or(DEFAULT_ZERO_BUDGET);
     let tracking = Tracking::start(&view, scanner, zero_budget, !opts.pagemap_read_fallback);
-    let mut pool = PoolCtl::new(pool_opts, cs, pool_clusters);
+    let mut pool = PoolCtl::new(pool_opts, cs, pool_clusters, opts.thread_hook.clone());
     if let Err(e) = pool.start(&image) {
         log::warn!("no pre-allocation worker ({e}), the pool refills inline");
     }

@@ -31,6 +31,7 @@ use crate::clusters::ClusterState;
 use crate::fault_poll::FaultPoll;
 use crate::health::{is_out_of_space, Failure};
 use crate::state::{top_fd, FaultCounters, NoImage, RegionState, Shared, Writable};
+use crate::thread_hook::ThreadHook;
 use crate::uffd::{Uffd, UffdError, EVENT_PAGEFAULT, MSG_SIZE, PAGEFAULT_FLAG_WRITE};
 
 /// Errors of fault resolution.
@@ -97,6 +98,8 @@ pub struct Monitor {
     /// Set when a write fault found the file system full and the region
     /// had no such failure recorded yet; taken by the monitor thread.
     space_alert: AtomicBool,
+    /// Runs first on the monitor's thread ([`crate::MonitorThread`]).
+    hook: Option<ThreadHook>,
 }
 
 impl std::fmt::Debug for Monitor {
@@ -114,6 +117,7 @@ impl Monitor {
         uffd: Arc<Uffd>,
         pool_efd: Option<Arc<EventFd>>,
         poll: FaultPoll,
+        hook: Option<ThreadHook>,
     ) -> Monitor {
         Monitor {
             shared,
@@ -121,7 +125,13 @@ impl Monitor {
             pool_efd,
             poll: Mutex::new(poll),
             space_alert: AtomicBool::new(false),
+            hook,
         }
+    }
+
+    /// The hook the monitor's thread runs first.
+    pub(crate) fn thread_hook(&self) -> Option<ThreadHook> {
+        self.hook.clone()
     }
 
     /// The userfaultfd to poll for reading (non-blocking).

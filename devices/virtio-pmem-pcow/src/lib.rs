@@ -45,6 +45,11 @@
 //! - the pool worker (one per device) reserves clusters with `fallocate`
 //!   off the fault path and signals the pool's eventfd.
 //!
+//! The two threads this crate spawns (the monitor's, the pool worker) run
+//! [`RegionOptions::thread_hook`] first, if the user gave one
+//! ([`ThreadHook`], `thread_hook.rs`): the VMM installs a seccomp filter
+//! there without this crate knowing about seccomp.
+//!
 //! # Locks, in the order they are taken
 //!
 //! 1. the barrier lock (`Shared::serialize`): one barrier, snapshot or
@@ -90,6 +95,7 @@ pub mod raw;
 mod region;
 pub mod request;
 mod state;
+mod thread_hook;
 pub mod uffd;
 mod view;
 pub mod write_log;
@@ -112,5 +118,6 @@ pub use raw::{RawError, RawRegion};
 pub use region::{PcowRegion, PmemBackend, Status};
 pub use request::{parse, Request, RequestError, RequestType};
 pub use state::{BarrierTotals, FaultCounters, NoImage};
+pub use thread_hook::{ConfineError, DeviceThread, HookError, ThreadHook};
 pub use uffd::{Uffd, UffdError};
 pub use write_log::{WriteLog, WriteLogError};

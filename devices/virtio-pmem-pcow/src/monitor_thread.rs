@@ -18,6 +18,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::fault::{Monitor, MonitorError};
+use crate::thread_hook::{self, DeviceThread};
 use crate::uffd::UffdError;
 
 /// What the thread tells its VMM.
@@ -52,7 +53,10 @@ impl std::fmt::Debug for MonitorThread {
 
 impl MonitorThread {
     /// Starts a thread named `name` serving `monitor` until the value is
-    /// dropped. `report` runs on that thread.
+    /// dropped. `report` runs on that thread. The thread first runs the
+    /// region's [`crate::RegionOptions::thread_hook`]; its failure is this
+    /// call's (a [`crate::ConfineError`] inside the `io::Error`) and
+    /// nothing is served.
     pub fn spawn(
         name: &str,
         monitor: Arc<Monitor>,
@@ -73,9 +77,12 @@ impl MonitorThread {
             )?;
         }
         let m = monitor.clone();
-        let handle = std::thread::Builder::new()
-            .name(name.to_owned())
-            .spawn(move || serve(&epoll, &m, &report))?;
+        let handle = thread_hook::spawn(
+            name.to_owned(),
+            DeviceThread::Fault,
+            monitor.thread_hook(),
+            move || serve(&epoll, &m, &report),
+        )?;
         Ok(MonitorThread {
             monitor,
             stop,

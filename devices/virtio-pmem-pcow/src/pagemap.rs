@@ -53,8 +53,9 @@ struct PmScanArg {
     return_mask: u64,
 }
 
-/// `_IOWR('f', 16, struct pm_scan_arg)`.
-const PAGEMAP_SCAN: libc::c_ulong = (3 << 30)
+/// `PAGEMAP_SCAN` on `/proc/self/pagemap`: `_IOWR('f', 16, struct
+/// pm_scan_arg)`.
+pub const PAGEMAP_SCAN: libc::c_ulong = (3 << 30)
     | ((std::mem::size_of::<PmScanArg>() as libc::c_ulong) << 16)
     | ((b'f' as libc::c_ulong) << 8)
     | 16;

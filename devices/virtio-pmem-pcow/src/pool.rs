@@ -42,6 +42,7 @@ use pcow::LiveImage;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::health::Failure;
+use crate::thread_hook::{self, DeviceThread, ThreadHook};
 
 /// A refill the worker could not reserve.
 #[derive(Debug, thiserror::Error)]
@@ -287,6 +288,8 @@ pub(crate) struct PoolCtl {
     /// space was freed changes it), so a full disk costs one failed
     /// `fallocate` per change, not one per fault.
     failed: Option<(u64, u64)>,
+    /// Runs first on each worker thread.
+    hook: Option<ThreadHook>,
 }
 
 impl PoolCtl {
@@ -294,7 +297,12 @@ impl PoolCtl {
     /// Creates the eventfd (stable across worker restarts: the VMM
     /// registers it once); the worker starts with [`PoolCtl::start`].
     /// Without an eventfd (logged) the pool refills inline.
-    pub(crate) fn new(opts: &PoolOptions, cs: u64, pool_clusters: u64) -> PoolCtl {
+    pub(crate) fn new(
+        opts: &PoolOptions,
+        cs: u64,
+        pool_clusters: u64,
+        hook: Option<ThreadHook>,
+    ) -> PoolCtl {
         let efd = match opts
             .worker
             .then(|| EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC))
@@ -322,6 +330,7 @@ impl PoolCtl {
             },
             error: None,
             failed: None,
+            hook,
         }
     }
 
@@ -344,9 +353,12 @@ impl PoolCtl {
             .try_clone()?;
         let chan = Arc::new(Chan::default());
         let c = chan.clone();
-        let handle = std::thread::Builder::new()
-            .name("pcow-pool".into())
-            .spawn(move || worker_loop(file, c, efd))?;
+        let handle = thread_hook::spawn(
+            "pcow-pool".into(),
+            DeviceThread::Pool,
+            self.hook.clone(),
+            move || worker_loop(file, c, efd),
+        )?;
         self.worker = Some(Worker { chan, handle });
         self.in_flight = false;
         Ok(())

@@ -159,7 +159,13 @@ impl PcowRegion {
         let pool_efd = st.pool.efd();
         let (base, len) = (st.view.base(), st.view.len());
         let shared = Arc::new(Shared::new(st));
-        let monitor = Monitor::new(shared.clone(), uffd, pool_efd, FaultPoll::new(fault_poll));
+        let monitor = Monitor::new(
+            shared.clone(),
+            uffd,
+            pool_efd,
+            FaultPoll::new(fault_poll),
+            opts.thread_hook.clone(),
+        );
         Ok((
             PcowRegion {
                 shared,

@@ -84,8 +84,11 @@ pub struct UffdioCopy {
     pub copy: i64,
 }
 
-const UFFDIO_API: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
-const UFFDIO_REGISTER: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
+/// `UFFDIO_API` (the handshake of a new userfaultfd).
+pub const UFFDIO_API: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x3F, size_of::<UffdioApi>());
+/// `UFFDIO_REGISTER` (missing or write-protect mode).
+pub const UFFDIO_REGISTER: libc::c_ulong =
+    ioc(IOC_READ | IOC_WRITE, 0x00, size_of::<UffdioRegister>());
 /// `UFFDIO_WAKE` (a [`UffdioRange`]).
 pub const UFFDIO_WAKE: libc::c_ulong = ioc(IOC_READ, 0x02, size_of::<UffdioRange>());
 /// `UFFDIO_ZEROPAGE` (a [`UffdioZeropage`]).
@@ -93,12 +96,13 @@ pub const UFFDIO_ZEROPAGE: libc::c_ulong =
     ioc(IOC_READ | IOC_WRITE, 0x04, size_of::<UffdioZeropage>());
 /// `UFFDIO_COPY` (a [`UffdioCopy`]).
 pub const UFFDIO_COPY: libc::c_ulong = ioc(IOC_READ | IOC_WRITE, 0x03, size_of::<UffdioCopy>());
-const UFFDIO_WRITEPROTECT: libc::c_ulong =
+/// `UFFDIO_WRITEPROTECT` (write tracking's re-arm).
+pub const UFFDIO_WRITEPROTECT: libc::c_ulong =
     ioc(IOC_READ | IOC_WRITE, 0x06, size_of::<UffdioWriteprotect>());
 /// `UFFDIO_WRITEPROTECT_MODE_WP`.
 const WRITEPROTECT_MODE_WP: u64 = 1;
 /// `USERFAULTFD_IOC_NEW` on `/dev/userfaultfd`: `_IO(0xAA, 0x00)`.
-const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
+pub const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
 
 /// `UFFDIO_COPY_MODE_DONTWAKE`.
 pub const COPY_MODE_DONTWAKE: u64 = 1;
