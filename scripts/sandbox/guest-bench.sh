@@ -18,8 +18,8 @@
 # a round the variants boot one after the other (their order rotated every
 # round), so the variants sit side by side in time. One boot per job would
 # be purer but does not fit: with fio's libraries (about 80 MiB) in the
-# initramfs a boot alone takes 20-25 s with our VMM and 55-60 s with QEMU
-# (which loads the initramfs through SeaBIOS and fw_cfg) in L1. The host
+# initramfs, a boot and one fio start (its dynamic linking, emulated) take
+# 10-25 s here, more under QEMU. The host
 # then parses fio's JSON (guest-bench-report.py), prints the medians and
 # ratios, and writes docs/guest-benchmarks.md and its plot.
 #
@@ -262,15 +262,17 @@ say "built in $(elapsed "$t_build")s: L2 initramfs $(du -m "$payload/l2/initramf
 
 # ---- L1 -----------------------------------------------------------------------------
 # The timeout: L1 boot, unpacking and output (90 s), plus every VM boot at
-# the estimate times the factor. The estimate: a boot with no job (35 s: the
-# mean of our VMM's 20-25 s and QEMU's 55-60 s, measured 2026-11-26 on 2
-# busy cores) plus the jobs at the slowest rates measured in that run for
-# each (IOPS or MiB/s of the slowest variant, halved for margin).
+# the estimate times the factor. The estimate, from a run on 2026-11-26 (2
+# busy cores, load 5-6): a boot whose jobs do almost nothing took 24-63 s
+# (each fio start links its ~50 libraries under emulation: seconds each;
+# QEMU's boot is the slower), so 45 s, plus the jobs at the slowest rate
+# any variant had in that run: randread 110 IOPS, randwrite 80 IOPS, fsync
+# 20 IOPS, seqwrite 10 MiB/s.
 nvar=$(wc -w <<<"$VARIANTS")
 nboots=$((ROUNDS * nvar))
 [ "$WARMUP" = 1 ] && nboots=$((nboots + 1))
 [ "$PROFILE" = 1 ] && nboots=$((nboots + 2))
-est=${GB_EST_BOOT_S:-$((35 + SIZE[randread] / 4096 / 100 + SIZE[randwrite] / 4096 / 100 + SIZE[fsync] / 4096 / 20 + SIZE[seqwrite] / 1048576 / 5))}
+est=${GB_EST_BOOT_S:-$((45 + SIZE[randread] / 4096 / 110 + SIZE[randwrite] / 4096 / 80 + SIZE[fsync] / 4096 / 20 + SIZE[seqwrite] / 1048576 / 10))}
 factor=${GB_TIMEOUT_FACTOR:-3}
 l1_timeout=${SANDBOX_TIMEOUT:-$((90 + nboots * est * factor))}
 export SANDBOX_SMP=${SANDBOX_SMP:-1}
