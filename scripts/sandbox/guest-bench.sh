@@ -112,7 +112,8 @@ report() { # LOG L1_SECONDS
         --fs-mib "$FS_MIB" --mem "$MEM" --manifest "$MANIFEST" --command "$CMDLINE" \
         --load "${LOAD:-}" --images "${IMAGES:-}"
 }
-CMDLINE="$(env | grep -E '^GB_(ROUNDS|JOBS|VARIANTS|SIZE_[A-Z]+|FS_MIB|MEM|PROFILE)=' | sort | sed "s/=\\(.*\\)/='\\1'/" | tr '\n' ' ')scripts/sandbox/guest-bench.sh"
+# The command as run, with the knobs that change what is measured.
+CMDLINE="$({ env | grep -E '^GB_(ROUNDS|JOBS|VARIANTS|SIZE_[A-Z]+|FS_MIB|MEM|PROFILE|WARMUP)=' || true; } | sort | sed "s/=\\(.*\\)/='\\1'/" | tr '\n' ' ')scripts/sandbox/guest-bench.sh"
 if [ -n "${GB_REPORT_ONLY:-}" ]; then
     [ -f "$GB_REPORT_ONLY" ] || die "GB_REPORT_ONLY=$GB_REPORT_ONLY: no such log"
     report "$GB_REPORT_ONLY" 0
