@@ -473,50 +473,54 @@ plot for [i=2:{len(variants) + 1}] {json.dumps(dat)} using i:xtic(1) title colum
         w("")
     w("## Which way emulation bends each ratio")
     w("")
-    w("- **Everything the CPU does is inflated, but not evenly.** TCG translates")
-    w("  every L1 instruction, and L2 runs inside L1's KVM, so each L2 instruction")
-    w("  and each VM exit costs many times what it costs on hardware; a VM exit")
-    w("  of L2 becomes an emulated #VMEXIT into L1's KVM plus, for device I/O,")
-    w("  a return to a VMM process in L1. Memory copies are also emulated but")
-    w("  cost less per byte than exits cost per event.")
-    w("- **DAX vs virtio-blk (qcow2-*, raw-blk against raw-DAX):** a DAX read or")
-    w("  overwrite is a memcpy inside L2 with no exit once the page is mapped;")
-    w("  every virtio-blk request is at least one exit (the notify), a QEMU")
-    w("  thread's work in its block layer (qcow2 metadata lookups, the")
-    w("  `pwritev` to tmpfs) and an interrupt back. Emulation inflates that")
-    w("  per-request CPU path far more than the copies, so **the blk/DAX ratios")
-    w("  come out lower (blk looks worse) than on hardware** for the small")
-    w("  random jobs; for 1 MiB sequential writes the per-request cost is spread")
-    w("  over 256 pages and the bias is smaller. On real hardware the images")
-    w("  would also sit on a disk or SSD, which this setup (tmpfs) leaves out:")
-    w("  that would push the blk ratios down further for fsync (a device")
-    w("  FLUSH), and raw-DAX's own fsync too, where the file is on a disk.")
-    w("- **First writes into holes (randwrite, seqwrite on pcow):** each")
-    w("  first touch of a page or cluster the guest never wrote is an EPT/NPT")
-    w("  fault in L1's KVM, a userfaultfd or page-fault round trip through L1's")
-    w("  kernel and our VMM's monitor thread, and the fill of the cluster. All")
-    w("  of those are exits and kernel paths, inflated by TCG more than the")
-    w("  copy itself, and nested paging makes each L2 fault a fault in L1's")
-    w("  shadow/NPT handling first. **So pcow/raw-DAX for first writes comes out")
-    w("  lower than it would on hardware.** raw-DAX on tmpfs pays a first-touch")
-    w("  fault too (the page is allocated on the first write), so the bias is")
-    w("  only in pcow's extra work (the monitor round trip, the cluster fill).")
-    w("- **fsync loops:** each guest fsync on pcow is a FLUSH, a barrier that")
-    w("  holds the vCPU (a signal and a `KVM_RUN` exit of the vCPU thread),")
-    w("  walks the written pages and copies them. Pausing and resuming a vCPU")
-    w("  is exits and signals in L1, much dearer under TCG than on hardware,")
-    w("  while raw-DAX's FLUSH is one `fsync` of a tmpfs file, nearly free.")
-    w("  **So pcow/raw-DAX for fsync is bent down** (pcow looks worse). The blk")
-    w("  variants' fsync is an ext4 journal commit through virtio-blk: several")
-    w("  requests and exits each, also bent down against raw-DAX.")
-    w("- **Reads (randread):** after the first access a page of the base or")
-    w("  snapshot is mapped and a read is a copy on both pcow and raw-DAX, so")
-    w("  pcow/raw-DAX is bent only by the first-touch faults (read faults on")
-    w("  never-mapped clusters, through the monitor): slightly down.")
-    w("- **Timing:** fio's clock in L2 is kvmclock over L1's emulated TSC;")
-    w("  host load from other jobs slows L1 as a whole. Ratios taken in the")
-    w("  same round share that load, which is why each round runs all variants")
-    w("  back to back and why the per-round ratios are shown.")
+    w("Every job here touches each page of its file once (fio's random map: no")
+    w("block twice; new files for the writes), so every job is about first")
+    w("accesses: cold reads, and first writes into blocks the file system had")
+    w("never used (holes in the images). Two costs of the emulation pull in")
+    w("opposite directions:")
+    w("")
+    w("- **Per-request CPU cost (bends virtio-blk down).** TCG translates every")
+    w("  instruction of L1, and L2 runs in L1's KVM, also translated. A")
+    w("  virtio-blk request is a notify exit from L2 into L1's KVM, QEMU's")
+    w("  block layer (qcow2 metadata lookups and allocation, a `pwritev`/`preadv`")
+    w("  into tmpfs), an interrupt back: a long CPU path, each step many times")
+    w("  its hardware cost. A DAX read or write of a page already mapped is a")
+    w("  `memcpy` inside L2 with no exit. So for small requests (4 KiB) **the")
+    w("  blk/raw-DAX ratios come out lower here than on hardware**.")
+    w("- **First touch of a pmem page (bends DAX down).** The first access of")
+    w("  L2 to a page of the pmem region is a nested page fault: L1's KVM,")
+    w("  emulated, walks and fills its nested page table (and for raw-DAX the")
+    w("  page of the tmpfs file is looked up; for pcow, a cluster the guest")
+    w("  never wrote goes through the VMM's fault monitor first). On hardware")
+    w("  that costs about a microsecond; here it costs hundreds. ext4 on DAX")
+    w("  also zeroes each newly allocated block through the same mapping before")
+    w("  the data is copied in. virtio-blk moves the data with QEMU's copies in")
+    w("  L1 into guest RAM that is already mapped, and pays no such fault per")
+    w("  page. So for jobs that touch much new pmem per request (the 1 MiB")
+    w("  sequential write: 256 first touches per request) **the blk/raw-DAX")
+    w("  ratios come out higher here than on hardware**, and may even be above")
+    w("  1 where on hardware DAX would win.")
+    w("- **pcow against raw-DAX.** Both pay the nested page faults above; pcow")
+    w("  adds its own work, all of it CPU paths that emulation inflates more")
+    w("  than copies: the fault monitor's round trip (userfaultfd in L1's")
+    w("  kernel, the monitor thread, the cluster's mapping) on the first write")
+    w("  into a cluster that is shared with a snapshot or the base or is a hole,")
+    w("  and for every guest fsync a barrier (the vCPU thread signalled out of")
+    w("  `KVM_RUN` and held, the written pages found and copied, the vCPU")
+    w("  resumed). raw-DAX's FLUSH is one `fsync` of a tmpfs file, nearly free.")
+    w("  So **pcow/raw-DAX comes out lower here than on hardware** for first")
+    w("  writes and fsync loops; on reads both map pages and the bias is small.")
+    w("- **What the setup leaves out.** The images are in L1's tmpfs: no disk.")
+    w("  On hardware with a disk, raw-DAX's FLUSH would write back the file's")
+    w("  dirty pages and qcow2/raw-blk's flush would reach the disk; a pcow")
+    w("  barrier writes into its image file and then syncs it. Disk flushes")
+    w("  would dominate fsync loops for all six variants and pull their ratios")
+    w("  towards 1.")
+    w("- **Noise.** fio's clock in L2 is kvmclock over L1's emulated TSC, and")
+    w("  other jobs on the host's 2 cores slow L1 as a whole. Values taken in")
+    w("  the same round share that load, which is why each round runs all")
+    w("  variants back to back and why the per-round ratios are shown; with a")
+    w("  few rounds, differences under about 20% are not significant here.")
     w("")
     if prof_table:
         w("## Where the pcow time goes (profiled runs)")
@@ -606,27 +610,39 @@ def prof_paragraph(profs, rows):
         rt = prof_runtime(p)
         if not rt:
             continue
-        s = (
-            f"{p['variant']} {p['job']}: {n} barriers held the vCPU {held:.0f} ms in all, "
-            f"{100.0 * held / rt:.0f}% of fio's {rt} ms"
-        )
-        if n:
-            s += f" ({held / n:.2f} ms each on average, of which scan {scan / n:.2f} ms; {found / n:.1f} written pages found and {copied / n:.1f} copied per barrier)"
         base = rows.get((p["job"], "raw-dax"), {}).get("runtime")
+        extra = (rt - base) if base else None
+        s = f"{p['variant']} {p['job']}: fio ran {rt} ms"
         if base:
-            s += f"; raw-DAX's median runtime for the job was {base:.0f} ms, pcow's profiled run {rt} ms"
-            extra = rt - base
-            if extra > 0:
-                s += f", so the barriers' hold time is {100.0 * min(held, extra) / extra:.0f}% of pcow's extra time"
+            s += f" (raw-DAX's median: {base:.0f} ms)"
+        if n:
+            s += (
+                f"; {n} FLUSH barriers held the vCPU {held:.0f} ms in all, {held / n:.2f} ms each on average"
+                f" (scan {scan / n:.2f} ms), finding {found / n:.1f} written private pages and copying {copied / n:.1f} per barrier"
+            )
+            if extra and extra > 0:
+                s += f": {100.0 * min(held, extra) / extra:.0f}% of pcow's extra time over raw-DAX"
+        else:
+            s += "; no FLUSH during the job"
+            if extra and extra > 0:
+                s += f", so its {extra:.0f} ms over raw-DAX's median are the monitor's first-write faults and the guest's own work"
         parts.append(s + ".")
     if not parts:
         return "(The profiled runs printed no usable barrier lines.)"
     return (
-        "In numbers, from the table: "
+        "In numbers: "
         + " ".join(parts)
-        + " The time outside the barriers' hold is the guest's own work and the"
-        " fault round trips through the monitor (first touches of clusters), which"
-        " the VMM does not time per fault."
+        + " A profiled run is one boot, compared with the medians of the rounds,"
+        " so differences of 20% are noise here. Written pages the barriers"
+        " did not find were written through shared mappings: a hole's cluster"
+        " is allocated in the image and mapped shared at its first write, so"
+        " the guest's later stores go to the image file directly and a barrier"
+        " has nothing to copy; what it costs then is holding the vCPU for the"
+        " scan and resuming it. The hold is not all of a FLUSH: the barrier's"
+        " commit (the image's metadata and syncs) runs after the vCPU is"
+        " released and before the FLUSH is answered, and the per-FLUSH log"
+        " line does not time it. The VMM does not time faults one by one"
+        " either: the counters above say how many there were."
     )
 
 
