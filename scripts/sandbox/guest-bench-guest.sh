@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # L2 guest side of scripts/sandbox/guest-bench.sh (busybox sh; /guest.sh).
 #
 # build-l2.sh's init runs this with /dev/pmem0 already mounted on /mnt/pmem

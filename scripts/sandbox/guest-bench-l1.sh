@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # L1 side of scripts/sandbox/guest-bench.sh (busybox sh; the payload's
 # run.sh, in /payload).
 #
@@ -51,7 +52,7 @@ prepare() {
 # /tmp/run.log.
 boot() {
     v=$1 jobs=$2 file=$3 vflag=${4:-}
-    cmd="console=ttyS0 panic=-1 quiet gb.jobs=$(echo $jobs | tr ' ' ',') gb.sizes=$SIZES"
+    cmd="console=ttyS0 panic=-1 quiet gb.jobs=$(echo "$jobs" | tr ' ' ',') gb.sizes=$SIZES"
     case $v in
         raw-dax | pcow-*)
             # shellcheck disable=SC2086
@@ -112,7 +113,7 @@ rotate() {
         if [ $i -lt $k ]; then out="$out $w"; fi
         i=$((i + 1))
     done
-    echo $out
+    echo "${out# }"
 }
 
 if [ "${WARMUP:-1}" = 1 ]; then
