@@ -199,6 +199,8 @@ def main():
 
     try:
         runs, profs, pboots = parse_log(a.log)
+        with open(a.log, "rb") as f:
+            ended = b"GB-L1 done:" in f.read()
     except OSError as e:
         print(f"guest-bench-report: cannot read the log {a.log}: {e}", file=sys.stderr)
         return 2
@@ -224,11 +226,32 @@ def main():
             continue
         unit[r["job"]] = u
         table.setdefault((r["job"], r["variant"]), []).append((r["round"], v, p50, p99, rt))
-    for job in jobs:
-        for v in variants:
-            got = len(table.get((job, v), []))
-            if got != a.rounds:
-                problems.append(f"{job} on {v}: {got} good runs of {a.rounds}")
+    # Only complete rounds count: the point of a round is that every variant
+    # ran every job in it, side by side; a round with a hole would compare
+    # variants measured at different times.
+    complete = [
+        rd
+        for rd in range(1, a.rounds + 1)
+        if all(any(p[0] == rd for p in table.get((job, v), [])) for job in jobs for v in variants)
+    ]
+    for rd in range(1, a.rounds + 1):
+        if rd not in complete:
+            missing = [
+                f"{job} on {v}"
+                for job in jobs
+                for v in variants
+                if not any(p[0] == rd for p in table.get((job, v), []))
+            ]
+            problems.append(
+                f"round {rd} is incomplete, not used: no good run of {', '.join(missing[:6])}"
+                + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+            )
+    for key in table:
+        table[key] = [p for p in table[key] if p[0] in complete]
+    if not ended:
+        problems.append(
+            "the L1 run did not finish: its log ends without `GB-L1 done` (cut by the timeout, stalled, or crashed)"
+        )
 
     # ---- statistics --------------------------------------------------------------
     rows = {}
@@ -456,7 +479,8 @@ plot for [i=2:{len(variants) + 1}] {json.dumps(dat)} using i:xtic(1) title colum
     w("")
     w("## Results")
     w("")
-    w("Medians over the rounds; min-max over the rounds; the ratio is the")
+    w(f"Complete rounds used: {len(complete)} of {a.rounds} ({', '.join(map(str, complete)) or 'none'}).")
+    w("Medians over those rounds; min-max over them; the ratio is the")
     w("variant's median over raw-DAX's median (higher is faster; for")
     w("latencies compare the columns); per-round ratios: each round's value over")
     w("raw-DAX's value in the same round (the variants ran side by side).")

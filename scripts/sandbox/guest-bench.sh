@@ -44,7 +44,11 @@
 #   GB_RUN_TIMEOUT  s, one VM boot (default 600: killed and failed past it)
 #   GB_EST_BOOT_S   s, the estimate of one VM boot (all jobs) the L1 timeout
 #                   is made of (default: from the job sizes, see below)
-#   GB_TIMEOUT_FACTOR  margin on that estimate (default 3)
+#   GB_TIMEOUT_FACTOR  margin on that estimate (default 2)
+#   GB_STALL_S      s without a byte on L1's serial console after which L1
+#                   counts as hung and is killed (default GB_RUN_TIMEOUT +
+#                   120: L1 prints after every boot, and kills a boot at
+#                   GB_RUN_TIMEOUT itself)
 #   SANDBOX_TIMEOUT overrides the L1 timeout computed from those
 #   GB_REPORT_ONLY=LOG  parse an earlier run's serial log again (no L1)
 # Exit 0 when every run succeeded; non-zero when any run failed or the L1
@@ -149,15 +153,15 @@ fi
 # pmem, rdma...): the dynamic loader needs them all, although the psync
 # engine uses none. They are Debian's too: the ones this host lacks are
 # installed from fio's Depends, then `ldd` on the extracted binary finds them.
-fio_deb=$(ls "$DEBS"/fio_*_amd64.deb 2>/dev/null | head -n1 || true)
+fio_deb=$(find "$DEBS" -maxdepth 1 -name 'fio_*_amd64.deb' | sort | head -n1)
 if [ -z "$fio_deb" ]; then
     say "apt-get download fio"
     (cd "$DEBS" && apt-get download -q fio 2>&1 | grep -v unsandboxed) || true
-    fio_deb=$(ls "$DEBS"/fio_*_amd64.deb 2>/dev/null | head -n1 || true)
+    fio_deb=$(find "$DEBS" -maxdepth 1 -name 'fio_*_amd64.deb' | sort | head -n1)
     if [ -z "$fio_deb" ]; then
         as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
         (cd "$DEBS" && apt-get download -q fio) || die "apt-get download fio failed"
-        fio_deb=$(ls "$DEBS"/fio_*_amd64.deb | head -n1)
+        fio_deb=$(find "$DEBS" -maxdepth 1 -name 'fio_*_amd64.deb' | sort | head -n1)
     fi
 fi
 fio_ver=$(dpkg-deb -f "$fio_deb" Version)
@@ -274,13 +278,44 @@ nboots=$((ROUNDS * nvar))
 [ "$WARMUP" = 1 ] && nboots=$((nboots + 1))
 [ "$PROFILE" = 1 ] && nboots=$((nboots + 2))
 est=${GB_EST_BOOT_S:-$((45 + SIZE[randread] / 4096 / 110 + SIZE[randwrite] / 4096 / 80 + SIZE[fsync] / 4096 / 20 + SIZE[seqwrite] / 1048576 / 10))}
-factor=${GB_TIMEOUT_FACTOR:-3}
+factor=${GB_TIMEOUT_FACTOR:-2}
 l1_timeout=${SANDBOX_TIMEOUT:-$((90 + nboots * est * factor))}
 export SANDBOX_SMP=${SANDBOX_SMP:-1}
 mkdir -p "$CACHE/logs"
 log=$CACHE/logs/guest-bench-$(date +%Y%m%d-%H%M%S).log
 say "== run L1 ($nboots VM boots of about ${est}s, L1 vCPUs $SANDBOX_SMP, timeout ${l1_timeout}s), serial log: $log"
 t=$(now)
+# A hung L1 (seen once: its QEMU at 0% CPU, nothing on the console for
+# 11 minutes in the middle of a round, the in-L1 per-boot timeout never
+# firing) would otherwise sit until the whole-run timeout: the watcher
+# kills this script's own L1 QEMU (a descendant, found by parent pid) once
+# the serial log has not grown for GB_STALL_S.
+STALL_S=${GB_STALL_S:-$((RUN_TIMEOUT + 120))}
+case $STALL_S in '' | *[!0-9]* | 0) die "GB_STALL_S must be a positive integer (s), not '$STALL_S'" ;; esac
+descendants() {
+    local c
+    for c in $(ps -o pid= --ppid "$1"); do
+        echo "$c"
+        descendants "$c"
+    done
+}
+watch_stall() { # LOG STALL_S ROOT_PID FLAG_FILE
+    local last=-1 same=0 size p
+    while sleep 10; do
+        size=$(stat -c %s "$1" 2>/dev/null || echo 0)
+        if [ "$size" = "$last" ]; then same=$((same + 10)); else same=0 last=$size; fi
+        if [ "$same" -ge "$2" ]; then
+            echo "$same" >"$4"
+            for p in $(descendants "$3"); do
+                [ "$(cat "/proc/$p/comm" 2>/dev/null)" = qemu-system-x86 ] && kill "$p" 2>/dev/null
+            done
+            return 0
+        fi
+    done
+}
+rm -f "$W/stalled"
+watch_stall "$log" "$STALL_S" $$ "$W/stalled" &
+stall_pid=$!
 # The host's load while L1 runs (other jobs share the 2 cores): sampled
 # every 20 s, reported as its range.
 (while :; do cut -d' ' -f1 /proc/loadavg; sleep 20; done) >"$W/load.txt" &
@@ -290,8 +325,8 @@ SANDBOX_QUIET=1 SANDBOX_LOG=$log SANDBOX_TIMEOUT=$l1_timeout \
     "$SANDBOX_SCRIPTS/run-l1.sh" "$payload" | grep --line-buffered '^\[run-l1'
 rc=${PIPESTATUS[0]}
 set -e
-kill "$load_pid" 2>/dev/null || true
-wait "$load_pid" 2>/dev/null || true
+kill "$load_pid" "$stall_pid" 2>/dev/null || true
+wait "$load_pid" "$stall_pid" 2>/dev/null || true
 LOAD=$(sort -n "$W/load.txt" | awk 'NR == 1 { lo = $1 } { hi = $1; n++ } END { if (n) printf "%s-%s (%d samples, every 20 s)", lo, hi, n }')
 t_l1=$(elapsed "$t")
 tr -d '\r' <"$log" | grep -a -E '^(GB-BOOT|GB-PROF|GB-L1|GB-FIO-END|  L2\| )' | grep -v -a 'GB-PROF-FIO' | sed 's/^/  /' || true
@@ -300,5 +335,6 @@ report "$log" "$t_l1"
 prc=$?
 set -e
 say "L1 run ${t_l1}s (rc $rc), total $(elapsed "$t_all")s; serial log: $log"
+[ ! -f "$W/stalled" ] || die "L1 hung: nothing on its serial console for $(cat "$W/stalled")s, its QEMU was killed (log $log)"
 [ "$rc" -eq 0 ] || die "the L1 run failed (run-l1.sh exit $rc$([ "$rc" -eq 124 ] && echo ": timeout after ${l1_timeout}s"); log $log)"
 [ "$prc" -eq 0 ] || die "the report failed (exit $prc; log $log)"

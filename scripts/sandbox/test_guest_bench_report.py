@@ -49,12 +49,13 @@ def boot(rnd, variant, values, rc=0, guest="ok", **kw):
     return lines
 
 
-def run_report(lines, variants=("pcow-snap", "raw-dax"), rounds=2):
+def run_report(lines, variants=("pcow-snap", "raw-dax"), rounds=2, ended=True):
     with tempfile.TemporaryDirectory() as td:
         log = os.path.join(td, "serial.log")
         with open(log, "w") as f:
             # The serial console adds carriage returns; keep them.
-            f.write("\r\n".join(lines) + "\r\n")
+            end = ["GB-L1 done: 0 failed run(s), 1.0s"] if ended else []
+            f.write("\r\n".join(lines + end) + "\r\n")
         manifest = os.path.join(td, "packages.txt")
         with open(manifest, "w") as f:
             f.write("l2-kernel linux-image-x 1\n")
@@ -118,10 +119,12 @@ class Report(unittest.TestCase):
     def test_missing_run_fails(self):
         lines = boot(1, "raw-dax", {"randread": 1000, "fsync": 50})
         lines += boot(1, "pcow-snap", {"randread": 900, "fsync": 40})
-        lines += boot(2, "raw-dax", {"randread": 1000, "fsync": 50})
+        lines += boot(2, "raw-dax", {"randread": 3000, "fsync": 50})
         rc, out = run_report(lines)
         self.assertEqual(rc, 1, out)
-        self.assertIn("randread on pcow-snap: 1 good runs of 2", out)
+        self.assertIn("round 2 is incomplete, not used: no good run of randread on pcow-snap, fsync on pcow-snap", out)
+        # only round 1 counts: raw-dax's median is round 1's value
+        self.assertEqual(row(out, "random read", "raw-dax")[1], "1000")
 
     def test_failed_boot_fio_error_and_garbled_output_fail(self):
         for bad, expect in [
@@ -138,6 +141,15 @@ class Report(unittest.TestCase):
             rc, out = run_report(lines)
             self.assertEqual(rc, 1, out)
             self.assertIn(expect, out)
+
+    def test_unfinished_l1_run_fails(self):
+        lines = boot(1, "raw-dax", {"randread": 1000, "fsync": 50})
+        lines += boot(1, "pcow-snap", {"randread": 900, "fsync": 40})
+        rc, out = run_report(lines, rounds=1, ended=False)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("the L1 run did not finish", out)
+        rc, out = run_report(lines, rounds=1, ended=True)
+        self.assertEqual(rc, 0, out)
 
     def test_unreadable_log_is_an_error(self):
         p = subprocess.run(
