@@ -495,6 +495,35 @@ plot for [i=2:{len(variants) + 1}] {json.dumps(dat)} using i:xtic(1) title colum
     if plot_ok:
         w(f"![ratios to raw-DAX]({plot_rel})")
         w("")
+    targets = {"randread": 0.95, "fsync": 0.9, "randwrite": 0.8, "seqwrite": 0.8}
+    trows = []
+    for v in ("pcow-snap", "pcow-ovl"):
+        if v not in variants:
+            continue
+        for job in jobs:
+            st = rows[(job, v)]
+            if st["ratio"] is None:
+                continue
+            verdict = "at or above" if st["ratio"] >= targets[job] else "below"
+            trows.append(
+                f"| {v} | {job} | {fmt(st['ratio'], 2)} | {fmt(st['rr_min'], 2)}-{fmt(st['rr_max'], 2)} "
+                f"| {targets[job]:.2f} | {verdict} |"
+            )
+    if trows:
+        w("## Against issue 20's targets (pcow / raw-DAX)")
+        w("")
+        w("Issue 20 asks for at least 0.95x raw-DAX on reads, 0.9x on write+fsync")
+        w("loops and 0.8x on first writes into holes (every write job here writes")
+        w("into new blocks). These are the emulated ratios: the next section")
+        w("explains why they read low for pcow, so \"below\" here is no proof of")
+        w("\"below\" on hardware, and \"at or above\" with a wide per-round range is")
+        w("no proof either.")
+        w("")
+        w("| variant | job | ratio of medians | per-round ratios | target | here |")
+        w("| --- | --- | --- | --- | --- | --- |")
+        for t in trows:
+            w(t)
+        w("")
     w("## Which way emulation bends each ratio")
     w("")
     w("Every job here touches each page of its file once (fio's random map: no")
