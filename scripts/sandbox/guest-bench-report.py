@@ -192,6 +192,7 @@ def main():
     ap.add_argument("--command", required=True)
     ap.add_argument("--load", default="")
     ap.add_argument("--images", default="")
+    ap.add_argument("--note", default="", help="a paragraph for the Results section (what this document's run was)")
     a = ap.parse_args()
     jobs = a.jobs.split()
     variants = a.variants.split()
@@ -485,8 +486,11 @@ plot for [i=2:{len(variants) + 1}] {json.dumps(dat)} using i:xtic(1) title colum
     w("latencies compare the columns); per-round ratios: each round's value over")
     w("raw-DAX's value in the same round (the variants ran side by side).")
     w("")
+    if a.note:
+        w(a.note)
+        w("")
     if problems:
-        w("**This run had failures** (the tables use the runs that succeeded):")
+        w("**This run had failures** (the tables use the complete rounds only):")
         w("")
         for p in problems:
             w(f"- {p}")

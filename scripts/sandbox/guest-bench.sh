@@ -50,7 +50,8 @@
 #                   120: L1 prints after every boot, and kills a boot at
 #                   GB_RUN_TIMEOUT itself)
 #   SANDBOX_TIMEOUT overrides the L1 timeout computed from those
-#   GB_REPORT_ONLY=LOG  parse an earlier run's serial log again (no L1)
+#   GB_REPORT_ONLY=LOG  parse an earlier run's serial log again (no L1);
+#                   GB_NOTE: a paragraph for the document's Results section
 # Exit 0 when every run succeeded; non-zero when any run failed or the L1
 # run did not finish; SKIPPED + exit 0 only when QEMU cannot run at all.
 set -euo pipefail
@@ -114,7 +115,7 @@ report() { # LOG L1_SECONDS
         --plot "${DOC%.md}.svg" --l1-seconds "$2" --rounds "$ROUNDS" --jobs "$JOBS" \
         --variants "$VARIANTS" --sizes "randwrite=${SIZE[randwrite]} randread=${SIZE[randread]} fsync=${SIZE[fsync]} seqwrite=${SIZE[seqwrite]}" \
         --fs-mib "$FS_MIB" --mem "$MEM" --manifest "$MANIFEST" --command "$CMDLINE" \
-        --load "${LOAD:-}" --images "${IMAGES:-}"
+        --load "${LOAD:-}" --images "${IMAGES:-}" --note "${GB_NOTE:-}"
 }
 # The command as run, with the knobs that change what is measured.
 CMDLINE="$({ env | grep -E '^GB_(ROUNDS|JOBS|VARIANTS|SIZE_[A-Z]+|FS_MIB|MEM|PROFILE|WARMUP)=' || true; } | sort | sed "s/=\\(.*\\)/='\\1'/" | tr '\n' ' ')scripts/sandbox/guest-bench.sh"
