@@ -582,9 +582,10 @@ plot for [i=2:{len(variants) + 1}] {json.dumps(dat)} using i:xtic(1) title colum
     if prof_table:
         w("## Where the pcow time goes (profiled runs)")
         w("")
-        w("After the rounds, each pcow variant's write jobs ran once more with")
-        w("the VMM's debug log (`-vv`): one line per guest FLUSH with how long the")
-        w("barrier held the vCPUs and how long its scan took, and at exit the")
+        w("After the rounds, each pcow variant booted once more and ran every job")
+        w("with the VMM's debug log (`-vv`): one line per guest FLUSH with how long")
+        w("the barrier held the vCPU (its scan and copy; its commit comes after the")
+        w("vCPU is released) and how long the scan took, and at exit the")
         w("monitor's fault counters. These runs are not in the medians (the log")
         w("itself costs a little); fio's runtime is theirs.")
         w("")
