@@ -106,7 +106,7 @@
 #     snapshots and overlays emulated by copies; for developing the harness)
 #   VMMSC_SCENARIOS="1 2 ... 19" (default all; a subset runs only those;
 #     9-19 need VMMSC_VMM=ch, the qemu stand-in's default is 1-8)
-#   VMMSC_TIMEOUT_FACTOR (default 4): each group's L1 timeout is
+#   VMMSC_TIMEOUT_FACTOR (default 5): each group's L1 timeout is
 #     90 s + FACTOR x the sum of its scenarios' measured times (EST)
 #   VMMSC_KILL_ITERS (scenario 11's iterations, default 10)
 #   VMMSC_SNAP_KILL_ITERS (scenario 19's iterations, default 5),
@@ -188,7 +188,7 @@ group_of() {
     for k in $SCENARIOS; do [ "${GROUP[$k]}" != "$1" ] || out="$out $k"; done
     printf '%s\n' "${out# }"
 }
-FACTOR=${VMMSC_TIMEOUT_FACTOR:-4}
+FACTOR=${VMMSC_TIMEOUT_FACTOR:-5}
 # group_timeout G: 90 s (L1 boot, payload, output) + FACTOR x the measured times.
 group_timeout() {
     local k sum=0

@@ -308,6 +308,15 @@ impl Pmem {
             .pcow()
             .is_some_and(|r| !matches!(r.out_of_space(), Ok(None)));
         if waiting {
+            // Space first: the write that fell back to zeros may not have
+            // reached its page, and a barrier with nothing to move would
+            // then let the guest run on a full file system.
+            if let Some(Err(error)) = self.pcow().map(PcowRegion::reserve_space) {
+                return Err(OutOfSpace::Barrier {
+                    id: self.id.clone(),
+                    error,
+                });
+            }
             if let Some(Err(error)) = self.barrier() {
                 return Err(OutOfSpace::Barrier {
                     id: self.id.clone(),
@@ -441,8 +450,9 @@ impl IoEvents {
                 }
             }
             if let Some(new) = m.new {
-                // Without the ioeventfd the notification still arrives,
-                // as an MMIO exit served on the vCPU thread.
+                // Without the ioeventfd the notification still arrives, as
+                // an MMIO exit: the vCPU signals the same eventfd
+                // (`VirtioPciDevice::set_queue_kicks`).
                 if let Err(e) = self
                     .vm
                     .register_ioevent(fd, &Self::addr(new, q), NoDatamatch)
@@ -543,21 +553,27 @@ fn add_function(
 ) -> Result<NewFunction, MachineError> {
     let nqueues = dev.queue_max_sizes().len() as u16;
     let irqs = MsixIrqs::new(router.clone(), nqueues + 1).map_err(MachineError::Irq)?;
-    let dev = VirtioPciDevice::new(dev, vm.memory().clone(), Arc::new(irqs)).map_err(|source| {
-        MachineError::VirtioPci {
-            id: id.to_owned(),
-            source,
-        }
-    })?;
-    let dev = Arc::new(Mutex::new(dev));
-    let addr = bus.add_device(dev.clone()).map_err(MachineError::Pci)?;
+    let mut dev =
+        VirtioPciDevice::new(dev, vm.memory().clone(), Arc::new(irqs)).map_err(|source| {
+            MachineError::VirtioPci {
+                id: id.to_owned(),
+                source,
+            }
+        })?;
     let mut kvm_fds = Vec::new();
     let mut loop_fds = Vec::new();
+    let mut kicks = Vec::new();
     for _ in 0..nqueues {
         let fd = EventFd::new(EFD_NONBLOCK).map_err(MachineError::EventFd)?;
         loop_fds.push(fd.try_clone().map_err(MachineError::EventFd)?);
+        kicks.push(fd.try_clone().map_err(MachineError::EventFd)?);
         kvm_fds.push(fd);
     }
+    // Whether KVM's ioeventfd or an MMIO exit carries a notification, the
+    // thread waiting on `loop_fds` serves the queue.
+    dev.set_queue_kicks(kicks);
+    let dev = Arc::new(Mutex::new(dev));
+    let addr = bus.add_device(dev.clone()).map_err(MachineError::Pci)?;
     io_events.devices.insert(addr.device, kvm_fds);
     Ok((dev, loop_fds, addr))
 }

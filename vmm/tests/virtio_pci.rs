@@ -15,6 +15,7 @@ use vmm::pci::{
     VirtioPciDevice, ECAM_BASE,
 };
 use vmm::PortIo;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 const MEM: u64 = 0x100_0000;
 const PMEM_START: u64 = 0x1_0000_0000;
@@ -496,6 +497,39 @@ fn enumerate_probe_and_flush_like_linux() {
     assert!(!m.bus.lock().unwrap().mmio_read(l.common, &mut b));
     let last = *m.moves.lock().unwrap().last().unwrap();
     assert_eq!((last.old, last.new), (Some(base), None));
+}
+
+/// A function whose queue has its own thread (a VMM's pmem queue): a
+/// notification written to the BAR, as a vCPU's MMIO exit delivers it when
+/// no ioeventfd is registered, kicks that thread's eventfd and is not
+/// served on the writer's thread; the thread then serves it.
+#[test]
+fn a_notification_written_to_the_bar_kicks_the_queues_own_thread() {
+    let mut m = Machine::new();
+    let kick = EventFd::new(EFD_NONBLOCK).unwrap();
+    m.dev
+        .lock()
+        .unwrap()
+        .set_queue_kicks(vec![kick.try_clone().unwrap()]);
+    let base = m.bus.lock().unwrap().window().base + 0x10_0000;
+    let caps = enumerate(&mut m, base);
+    let l = layout(&mut m, &caps, base);
+    probe(&mut m, &l);
+
+    post_flush(&m.mem, 0);
+    m.write(l.notify, 2, 0);
+    assert_eq!(*m.flushes.lock().unwrap(), 0, "served on the vCPU's thread");
+    assert_eq!(kick.read().unwrap(), 1, "the queue's thread was not kicked");
+    // The queue's thread, woken, serves it.
+    m.dev.lock().unwrap().notify(0);
+    assert_eq!(*m.flushes.lock().unwrap(), 1);
+    assert_eq!(response(&m.mem, 0), 0);
+    assert_eq!(used(&m.mem), (1, vec![(0, 4)]));
+
+    // An unaligned write inside the notify region is no kick.
+    m.write(l.notify + 2, 2, 0);
+    assert!(kick.read().is_err(), "an unaligned write kicked the queue");
+    assert_eq!(*m.flushes.lock().unwrap(), 1);
 }
 
 #[test]

@@ -292,6 +292,22 @@ impl PcowRegion {
         Ok(self.lock()?.out_of_space.clone())
     }
 
+    /// After a write fault found the file system full: reserves the
+    /// image's pool again (`fallocate`), which fails with the file
+    /// system's error while there is still no space. A VMM calls it before
+    /// it lets a guest paused for space run again. A barrier alone proves
+    /// nothing there: a write that fell back to zeros may not have reached
+    /// its page yet (the vCPU was paused inside the fault), so a barrier
+    /// can find nothing to move on a file system that is still full.
+    pub fn reserve_space(&self) -> Result<(), BarrierError> {
+        let mut st = self.lock()?;
+        if st.out_of_space.is_none() {
+            return Ok(());
+        }
+        st.image_mut()?.fill_pool()?;
+        Ok(())
+    }
+
     /// Gives the region a write log of the guest's writes (a VMM: KVM's
     /// dirty log of the region's memslot), which barriers then follow
     /// instead of scanning the page tables: the first barrier after it

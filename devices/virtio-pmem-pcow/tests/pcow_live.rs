@@ -743,10 +743,18 @@ fn a_full_disk_is_reported_and_nothing_is_lost_once_space_is_freed() {
     // The image on disk is consistent meanwhile.
     let r = pcow::check::check(&path, None, true).unwrap();
     assert!(r.corruptions.is_empty(), "{:?}", r.corruptions);
-    // Space is freed: the next barrier moves everything the guest wrote
-    // while the disk was full (also what the failed barrier had
-    // harvested), and the condition clears.
+    // While the disk is full, space cannot be reserved again (a VMM keeps
+    // the guest paused on it) and the condition stays.
+    let e = rig.region.reserve_space().unwrap_err();
+    assert!(virtio_pmem_pcow::is_out_of_space(&e), "{}", chain(&e));
+    assert!(rig.region.out_of_space().unwrap().is_some());
+    // Space is freed: the pool can be reserved again, the next barrier
+    // moves everything the guest wrote while the disk was full (also what
+    // the failed barrier had harvested), and the condition clears.
     fs.grow("64M").unwrap();
+    rig.region
+        .reserve_space()
+        .expect("reserve after space was freed");
     let s = rig.region.barrier().expect("barrier after space was freed");
     eprintln!("barrier after space was freed: {s:?}");
     assert_eq!(rig.region.out_of_space().unwrap(), None);

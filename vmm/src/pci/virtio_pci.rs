@@ -23,6 +23,8 @@
 
 use std::sync::Arc;
 
+use vmm_sys_util::eventfd::EventFd;
+
 use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FAILED, VIRTIO_CONFIG_S_FEATURES_OK,
     VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
@@ -261,6 +263,10 @@ pub struct VirtioPciDevice {
     isr: u8,
     active: bool,
     ignored: u64,
+    /// The eventfds the queues' own threads wait on (those KVM's
+    /// ioeventfds signal), by queue; empty when the queues are served
+    /// where they are notified.
+    kicks: Vec<EventFd>,
 }
 
 impl std::fmt::Debug for VirtioPciDevice {
@@ -395,6 +401,7 @@ impl VirtioPciDevice {
             isr: 0,
             active: false,
             ignored: 0,
+            kicks: Vec::new(),
         })
     }
 
@@ -437,6 +444,35 @@ impl VirtioPciDevice {
                 "virtio-pci: ignored {what} at BAR offset {offset:#x} ({len} bytes), {} so far",
                 self.ignored
             );
+        }
+    }
+
+    /// Hands the queues to the threads that wait on `kicks` (one eventfd
+    /// per queue, those KVM's ioeventfds signal): a notification that
+    /// reaches the BAR as an MMIO exit instead (its ioeventfd could not be
+    /// registered) signals the queue's eventfd rather than serving the
+    /// queue on the vCPU thread. A pmem FLUSH served there would pause
+    /// the vCPUs from one of them, and the vCPU's seccomp list has none
+    /// of the image I/O a barrier makes.
+    pub fn set_queue_kicks(&mut self, kicks: Vec<EventFd>) {
+        self.kicks = kicks;
+    }
+
+    /// A notification written to the BAR (the MMIO exit path): the queue's
+    /// own thread is kicked when it has one, else the queue is served here.
+    fn notify_written(&mut self, offset: u64) {
+        let m = u64::from(NOTIFY_OFF_MULTIPLIER);
+        let kick = usize::try_from(offset / m)
+            .ok()
+            .filter(|_| offset.is_multiple_of(m))
+            .and_then(|q| self.kicks.get(q));
+        match kick {
+            Some(k) => {
+                if let Err(e) = k.write(1) {
+                    log::error!("virtio-pci: kicking queue {}: {e}", offset / m);
+                }
+            }
+            None => self.notify(offset),
         }
     }
 
@@ -774,7 +810,7 @@ impl VirtioPciDevice {
             NOTIFY_OFFSET + self.queues.len() as u64 * u64::from(NOTIFY_OFF_MULTIPLIER);
         match offset {
             o if o + len <= COMMON_OFFSET + COMMON_LEN => self.write_common(o, data),
-            o if (NOTIFY_OFFSET..notify_end).contains(&o) => self.notify(o - NOTIFY_OFFSET),
+            o if (NOTIFY_OFFSET..notify_end).contains(&o) => self.notify_written(o - NOTIFY_OFFSET),
             o if (DEVICE_CFG_OFFSET..DEVICE_CFG_OFFSET + DEVICE_CFG_MAX).contains(&o) => {
                 self.device.write_config(o - DEVICE_CFG_OFFSET, data)
             }
