@@ -296,14 +296,7 @@ impl Vm {
         host_addr: *mut u8,
         len: u64,
     ) -> Result<Memslot, VmError> {
-        let host = host_addr as u64;
-        if !gpa.is_multiple_of(REGION_ALIGN)
-            || !host.is_multiple_of(PAGE)
-            || len == 0
-            || !len.is_multiple_of(PAGE)
-        {
-            return Err(VmError::Misaligned { gpa, host, len });
-        }
+        let host = region_host(gpa, host_addr, len)?;
         // SAFETY: the caller keeps the range mapped for the slot's life.
         unsafe { self.add_slot(gpa, host, len, 0) }
     }
@@ -324,14 +317,7 @@ impl Vm {
         host_addr: *mut u8,
         len: u64,
     ) -> Result<Memslot, VmError> {
-        let host = host_addr as u64;
-        if !gpa.is_multiple_of(REGION_ALIGN)
-            || !host.is_multiple_of(PAGE)
-            || len == 0
-            || !len.is_multiple_of(PAGE)
-        {
-            return Err(VmError::Misaligned { gpa, host, len });
-        }
+        let host = region_host(gpa, host_addr, len)?;
         // SAFETY: the caller keeps the range mapped for the slot's life.
         let why = match unsafe { self.add_slot(gpa, host, len, KVM_MEM_LOG_DIRTY_PAGES) } {
             Ok(mut slot) => match SlotLog::new(self.fd.clone(), slot.slot, len) {
@@ -412,6 +398,20 @@ impl Vm {
             .map_err(|e| VmError::CreateVcpu(id, e))?;
         Ok(Vcpu::new(id, fd))
     }
+}
+
+/// The host address of a region for [`Vm::add_region`]: `gpa` 2 MiB
+/// aligned, the host range page aligned and not empty.
+fn region_host(gpa: u64, host_addr: *mut u8, len: u64) -> Result<u64, VmError> {
+    let host = host_addr as u64;
+    if !gpa.is_multiple_of(REGION_ALIGN)
+        || !host.is_multiple_of(PAGE)
+        || len == 0
+        || !len.is_multiple_of(PAGE)
+    {
+        return Err(VmError::Misaligned { gpa, host, len });
+    }
+    Ok(host)
 }
 
 #[cfg(test)]

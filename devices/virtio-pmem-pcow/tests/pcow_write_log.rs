@@ -395,50 +395,6 @@ fn no_write_is_lost_while_writers_race_barriers_and_status_reads() {
     close_and_compare(rig, &top, &model, "image after close");
 }
 
-/// A small tmpfs mounted for one test, unmounted on drop.
-struct SmallFs {
-    dir: tempfile::TempDir,
-}
-
-impl SmallFs {
-    fn mount(size: &str) -> Result<SmallFs, String> {
-        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .output()
-            .map_err(|e| format!("running mount: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "mount -t tmpfs failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        Ok(SmallFs { dir })
-    }
-
-    fn remount(&self, size: &str) {
-        let out = std::process::Command::new("mount")
-            .args(["-o", &format!("remount,size={size}")])
-            .arg(self.dir.path())
-            .output()
-            .expect("running mount");
-        assert!(out.status.success(), "{out:?}");
-    }
-}
-
-impl Drop for SmallFs {
-    fn drop(&mut self) {
-        let r = std::process::Command::new("umount")
-            .arg(self.dir.path())
-            .status();
-        if !matches!(r, Ok(s) if s.success()) {
-            eprintln!("umount {} failed: {r:?}", self.dir.path().display());
-        }
-    }
-}
-
 #[test]
 fn a_failed_barrier_keeps_the_pages_the_log_named() {
     let test = "a_failed_barrier_keeps_the_pages_the_log_named";
@@ -456,7 +412,7 @@ fn a_failed_barrier_keeps_the_pages_the_log_named() {
     // The base on the small file system too (it is written once, before
     // the top), the top's copies of the written pages need clusters.
     const N: u64 = 32;
-    let (top, mut model) = over_base(fs.dir.path(), N, N);
+    let (top, mut model) = over_base(fs.path(), N, N);
     let (rig, log) = with_log(
         &top,
         &RegionOptions {
@@ -467,7 +423,7 @@ fn a_failed_barrier_keeps_the_pages_the_log_named() {
     rig.region.barrier().unwrap();
     // Fill the file system, then write a page of every cluster.
     let mut n = 0;
-    while std::fs::write(fs.dir.path().join(format!("f{n}")), vec![1u8; 64 << 10]).is_ok() {
+    while std::fs::write(fs.path().join(format!("f{n}")), vec![1u8; 64 << 10]).is_ok() {
         n += 1;
     }
     for vcn in 0..N {
@@ -485,9 +441,9 @@ fn a_failed_barrier_keeps_the_pages_the_log_named() {
     // The log was read (and is empty now); its pages are kept.
     assert!(log.pages.lock().unwrap().is_empty());
     for i in 0..n {
-        std::fs::remove_file(fs.dir.path().join(format!("f{i}"))).unwrap();
+        std::fs::remove_file(fs.path().join(format!("f{i}"))).unwrap();
     }
-    fs.remount("64M");
+    fs.grow("64M").unwrap();
     let s = rig.region.barrier().unwrap();
     assert!(s.write_log, "{s:?}");
     assert_eq!(s.pages_copied, N, "{s:?}");

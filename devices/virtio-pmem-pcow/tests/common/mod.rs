@@ -227,3 +227,59 @@ pub fn reopen_read(path: &Path) -> Vec<u8> {
     img.read_at(&mut v, 0).expect("read");
     v
 }
+
+/// A small tmpfs mounted for one test, unmounted on drop.
+pub struct SmallFs {
+    dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    pub fn mount(size: &str) -> Result<SmallFs, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output()
+            .map_err(|e| format!("running mount: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mount -t tmpfs failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(SmallFs { dir })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Makes the file system bigger (frees space).
+    pub fn grow(&self, size: &str) -> Result<(), String> {
+        let out = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(self.dir.path())
+            .output()
+            .map_err(|e| format!("running mount: {e}"))?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let r = std::process::Command::new("umount")
+            .arg(self.dir.path())
+            .status();
+        if !matches!(r, Ok(s) if s.success()) {
+            eprintln!("umount {} failed: {r:?}", self.dir.path().display());
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(self.dir.path())
+                .status();
+        }
+    }
+}
