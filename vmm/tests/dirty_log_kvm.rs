@@ -24,13 +24,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pcow::{CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::{MonitorReport, MonitorThread, PcowRegion, RegionOptions, Uffd};
+use virtio_pmem_pcow::{MonitorReport, MonitorThread, PcowRegion, RegionOptions};
 use vm_memory::{Bytes, GuestAddress};
-use vmm::testguest::{Check, Report, Step, TestGuest, TEST_PORT};
-use vmm::vcpu::{self, PortIo, VcpuControl, VcpuStop};
+use vmm::testguest::{Check, Report, Step, TestGuest};
+use vmm::vcpu::{self, VcpuControl, VcpuStop};
 
 mod common;
-use common::{chain, vm_or_skip};
+use common::{chain, uffd_or_skip, vm_or_skip, Port};
 
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
@@ -45,35 +45,6 @@ const PHASE: u64 = 0x1_8000;
 /// emulating KVM).
 const POLL_TRIES: u64 = 2_000_000;
 const DEADLINE: Duration = Duration::from_secs(20);
-
-fn uffd_or_skip(test: &str) -> bool {
-    match Uffd::new() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var_os("CI").is_some() {
-                panic!("{test}: userfaultfd unavailable under CI: {}", chain(&e));
-            }
-            println!("SKIPPED: {test}: userfaultfd unavailable ({})", chain(&e));
-            false
-        }
-    }
-}
-
-#[derive(Clone, Default)]
-struct Port(Arc<Mutex<Vec<Report>>>);
-
-impl PortIo for Port {
-    fn io_out(&mut self, port: u16, data: &[u8]) {
-        if port == TEST_PORT && data.len() == 4 {
-            let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
-            self.0.lock().unwrap().push(Report::decode(v));
-        }
-    }
-
-    fn io_in(&mut self, _port: u16, data: &mut [u8]) {
-        data.fill(0);
-    }
-}
 
 impl Port {
     /// Waits for `n` reports; all must be passes.

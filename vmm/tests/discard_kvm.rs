@@ -10,39 +10,24 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pcow::{CreateOptions, Image, OpenOptions, TempOptions};
 use virtio_pmem_pcow::Uffd;
 use virtio_pmem_pcow::{Monitor, PcowRegion, RegionOptions};
-use vmm::testguest::{Check, Report, TestGuest, TEST_PORT};
-use vmm::vcpu::{self, PortIo, VcpuControl, VcpuStop};
+use vmm::testguest::{Check, Report, TestGuest};
+use vmm::vcpu::{self, VcpuControl, VcpuStop};
 use vmm::{Vm, VmConfig};
 
 mod common;
-use common::chain;
+use common::{chain, Port};
 
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
 const STRIDE: u64 = 0x9E37_79B9_7F4A_7C15;
 const GUEST_DEADLINE: Duration = Duration::from_secs(20);
-
-#[derive(Clone, Default)]
-struct Port(Arc<Mutex<Vec<Report>>>);
-
-impl PortIo for Port {
-    fn io_out(&mut self, port: u16, data: &[u8]) {
-        if port == TEST_PORT && data.len() == 4 {
-            let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
-            self.0.lock().unwrap().push(Report::decode(v));
-        }
-    }
-    fn io_in(&mut self, _port: u16, data: &mut [u8]) {
-        data.fill(0);
-    }
-}
 
 struct MonitorThread {
     stop: Arc<AtomicBool>,

@@ -31,16 +31,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pcow::{CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::{MonitorThread, PcowRegion, PmemBackend, PmemDevice, RegionOptions, Uffd};
+use virtio_pmem_pcow::{MonitorThread, PcowRegion, PmemBackend, PmemDevice, RegionOptions};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::pci::{InterruptSink, Mmio64Window, PciBus, PmemVirtio, VirtioPciDevice, ECAM_BASE};
 use vmm::pmem_threads::{DeviceAlerts, QueueThread};
-use vmm::testguest::{Check, Report, TestGuest, TEST_PORT};
-use vmm::vcpu::{self, PortIo, VcpuControl, VcpuStop, VcpuThread, PAUSE_TIMEOUT};
+use vmm::testguest::{Check, Report, TestGuest};
+use vmm::vcpu::{self, VcpuControl, VcpuStop, VcpuThread, PAUSE_TIMEOUT};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 mod common;
-use common::{chain, vm_or_skip};
+use common::{chain, uffd_or_skip, vm_or_skip, Port};
 
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
@@ -55,36 +55,6 @@ const USED: u64 = 0x2_2000;
 const REQ: u64 = 0x2_3000;
 const RESP: u64 = 0x2_3100;
 const QSIZE: u16 = 16;
-
-fn uffd_or_skip(test: &str) -> bool {
-    match Uffd::new() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var_os("CI").is_some() {
-                panic!("{test}: userfaultfd unavailable under CI: {}", chain(&e));
-            }
-            println!("SKIPPED: {test}: userfaultfd unavailable ({})", chain(&e));
-            false
-        }
-    }
-}
-
-#[derive(Clone, Default)]
-struct Port(Arc<Mutex<Vec<Report>>>);
-
-impl PortIo for Port {
-    fn io_out(&mut self, port: u16, data: &[u8]) {
-        if port == TEST_PORT && data.len() == 4 {
-            let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
-            self.0.lock().unwrap().push(Report::decode(v));
-        }
-    }
-
-    // Never asks the guest to halt: it spins until stopped.
-    fn io_in(&mut self, _port: u16, data: &mut [u8]) {
-        data.fill(0);
-    }
-}
 
 impl Port {
     fn reports(&self) -> Vec<Report> {

@@ -15,7 +15,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pcow::{CreateOptions, Image, OpenOptions};
-use virtio_pmem_pcow::Uffd;
 use virtio_pmem_pcow::{Monitor, PcowRegion, PmemDevice, RegionOptions};
 use virtio_pmem_pcow::{Quiesce, QuiesceError};
 use vm_memory::{Bytes, GuestAddress};
@@ -27,7 +26,7 @@ use vmm::Vm;
 use vmm_sys_util::eventfd::EventFd;
 
 mod common;
-use common::{chain, vm_or_skip};
+use common::{chain, uffd_or_skip, vm_or_skip};
 
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
@@ -359,16 +358,6 @@ impl Drop for MonitorThread {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.handle.take() {
             let _ = h.join();
-        }
-    }
-}
-
-fn uffd_or_skip(test: &str) -> bool {
-    match Uffd::new() {
-        Ok(_) => true,
-        Err(e) => {
-            println!("SKIPPED: {test}: userfaultfd unavailable ({})", chain(&e));
-            false
         }
     }
 }

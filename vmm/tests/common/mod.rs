@@ -108,3 +108,39 @@ pub fn vm_or_skip(test: &str, ram_size: u64) -> Option<vmm::vm::Vm> {
         }
     }
 }
+
+/// Whether userfaultfd can be opened here; a test that needs it prints
+/// SKIPPED with the reason and returns when it cannot, and fails under CI.
+pub fn uffd_or_skip(test: &str) -> bool {
+    match virtio_pmem_pcow::Uffd::new() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var_os("CI").is_some() {
+                panic!("{test}: userfaultfd unavailable under CI: {}", chain(&e));
+            }
+            println!("SKIPPED: {test}: userfaultfd unavailable ({})", chain(&e));
+            false
+        }
+    }
+}
+
+/// The test guest's report port: every 4-byte write to `TEST_PORT` is a
+/// report; reads answer 0 (the guest never halts on its own).
+#[derive(Clone, Default)]
+pub struct Port(pub std::sync::Arc<Mutex<Vec<vmm::testguest::Report>>>);
+
+impl vmm::vcpu::PortIo for Port {
+    fn io_out(&mut self, port: u16, data: &[u8]) {
+        if port == vmm::testguest::TEST_PORT && data.len() == 4 {
+            let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+            self.0
+                .lock()
+                .unwrap()
+                .push(vmm::testguest::Report::decode(v));
+        }
+    }
+
+    fn io_in(&mut self, _port: u16, data: &mut [u8]) {
+        data.fill(0);
+    }
+}
