@@ -20,7 +20,8 @@
 //! random pages lie there; what a barrier costs does not depend on where.
 //!
 //! Run: `cargo run -p vmm --example barrier_log_bench` (the workspace's dev
-//! profile is optimized). Without a usable `/dev/kvm` it prints SKIPPED.
+//! profile is optimized). `PMEM_BENCH_CELLS=tmpfs-64K,disk-2M` runs only
+//! those cells, `PMEM_BENCH_ONLY_LOG=1` only the dirty-log variant. Without a usable `/dev/kvm` it prints SKIPPED.
 //! Never asserts timings.
 
 use std::fs::File;
@@ -81,7 +82,8 @@ fn p50_max(mut v: Vec<f64>) -> (f64, f64) {
     (v[v.len() / 2], v[v.len() - 1])
 }
 
-/// A barrier's times, p50 over rounds: (total, scan, copy, commit).
+/// A barrier's times, p50 over rounds: the total and its pieces
+/// (`BarrierStats`).
 #[derive(Default)]
 struct Rounds {
     total: Vec<f64>,
@@ -89,6 +91,9 @@ struct Rounds {
     copy: Vec<f64>,
     commit: Vec<f64>,
     held: Vec<f64>,
+    stage: Vec<f64>,
+    wait: Vec<f64>,
+    publish: Vec<f64>,
     logged: usize,
     copied: u64,
 }
@@ -100,6 +105,9 @@ impl Rounds {
         self.copy.push(ms(s.copy));
         self.commit.push(ms(s.commit));
         self.held.push(ms(s.held));
+        self.stage.push(ms(s.stage));
+        self.wait.push(ms(s.wait));
+        self.publish.push(ms(s.publish));
         self.logged += usize::from(s.write_log);
         self.copied += s.pages_copied;
     }
@@ -112,11 +120,14 @@ impl Rounds {
     fn split(&self) -> String {
         let p = |v: &Vec<f64>| p50_max(v.clone()).0;
         format!(
-            "{:.3} / {:.3} / {:.3} / {:.3}",
+            "{:.3} / {:.3} / {:.3} / {:.3} / {:.3} / {:.3} / {:.3}",
+            p(&self.wait),
             p(&self.scan),
             p(&self.copy),
+            p(&self.stage),
+            p(&self.held),
             p(&self.commit),
-            p(&self.held)
+            p(&self.publish)
         )
     }
 }
@@ -336,13 +347,23 @@ fn main() -> Res<()> {
     }
     println!();
     println!(
-        "| fs | cluster | variant | base not read: barrier p50 / max | scan / copy / commit / held | barriers on the log | after reading {} GiB: first barrier | then barrier p50 / max | scan / copy / commit / held | I/O floor p50 / max | barrier / floor, not read / read (p50) |",
+        "| fs | cluster | variant | base not read: barrier p50 / max | wait / scan / copy / stage / held / commit / publish | barriers on the log | after reading {} GiB: first barrier | then barrier p50 / max | wait / scan / copy / stage / held / commit / publish | I/O floor p50 / max | barrier / floor, not read / read (p50) |",
         read / GIB
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut cell = 0;
+    // `PMEM_BENCH_CELLS=tmpfs-64K,disk-2M`: only those cells (iterating).
+    let cells = std::env::var("PMEM_BENCH_CELLS").ok();
+    let only_log = std::env::var_os("PMEM_BENCH_ONLY_LOG").is_some();
     for (fs, root) in [("tmpfs", "/dev/shm"), ("disk", "/var/tmp")] {
         for cs in [64u64 << 10, 2 << 20] {
+            let name = format!("{fs}-{}", if cs == 64 << 10 { "64K" } else { "2M" });
+            if cells
+                .as_deref()
+                .is_some_and(|c| !c.split(',').any(|c| c == name))
+            {
+                continue;
+            }
             let dir = tempfile::Builder::new()
                 .prefix("barrier-log-bench")
                 .tempdir_in(root)?;
@@ -359,6 +380,9 @@ fn main() -> Res<()> {
             cell += 1;
             let mut rows = Vec::new();
             for logged in order {
+                if only_log && !logged {
+                    continue;
+                }
                 if let Some(v) = variant(dir.path(), cs, large, read, logged)? {
                     rows.push((logged, v));
                 }

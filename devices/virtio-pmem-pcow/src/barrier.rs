@@ -134,6 +134,16 @@ pub struct BarrierStats {
     pub copy: Duration,
     /// Time spent in the image's barrier (syncs and metadata commit).
     pub commit: Duration,
+    /// Time spent staging the commit (metadata slots written, the next
+    /// header built), inside [`BarrierStats::held`] for a plain barrier.
+    pub stage: Duration,
+    /// Time from the barrier's start until writers were held and the state
+    /// lock taken (pausing the vCPUs, waiting for a barrier or fault in
+    /// progress).
+    pub wait: Duration,
+    /// Time after the commit's syncs until the barrier returned (the state
+    /// lock again, publishing the commit, asking for a refill).
+    pub publish: Duration,
     /// Time writers were held: the scan and the copy. A plain barrier
     /// ([`crate::PcowRegion::barrier`], the guest's FLUSH) releases them
     /// before its commit; snapshots and overlays hold them throughout.
@@ -339,20 +349,30 @@ pub(crate) fn barrier(
     shared: &Shared,
     quiesce: &dyn Quiesce,
 ) -> Result<BarrierStats, BarrierError> {
+    let t0 = Instant::now();
     let mut serial = shared.serialize();
     // Hold first, lock second: the monitor must be able to serve a
     // writer's fault while the hold waits for that writer.
     let held = hold(quiesce)?;
     let t = Instant::now();
     let mut st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
+    let wait = t0.elapsed();
     prepare(&mut st)?;
     // The pool worker starts no new piece of a refill while the pages are
     // copied and the commit staged: the barrier's writes to the file wait
     // for at most the piece in flight. It refills again during the syncs,
     // for the faults served meanwhile.
     let quiet = st.pool.quiet();
-    let mut stats = BarrierStats::default();
-    let staged = move_held(&mut st, &mut stats).and_then(|moved| stage(&mut st, moved));
+    let mut stats = BarrierStats {
+        wait,
+        ..BarrierStats::default()
+    };
+    let staged = move_held(&mut st, &mut stats).and_then(|moved| {
+        let ts = Instant::now();
+        let r = stage(&mut st, moved);
+        stats.stage = ts.elapsed();
+        r
+    });
     drop(quiet);
     // Copied and re-protected: what the guest writes from here on belongs
     // to the next barrier.
@@ -375,6 +395,12 @@ pub(crate) fn barrier(
     };
     request_refill(&mut st);
     r?;
+    // What is left of the whole: the lock taken again, the commit
+    // published, the refill asked for.
+    stats.publish = t
+        .elapsed()
+        .saturating_sub(stats.held)
+        .saturating_sub(stats.commit);
     serial.barriers += 1;
     serial.pages_copied += stats.pages_copied;
     Ok(stats)
