@@ -11,8 +11,10 @@
 //! base of `PMEM_BENCH_LARGE_GIB` GiB (default 64) as its pmem memslot:
 //! one registered with KVM's dirty log (barriers follow it), one without
 //! (barriers scan). In 3 rounds the test guest writes one byte into each
-//! of 100 random pages in 100 distinct clusters and halts; then the
-//! barrier is timed. Then host threads read the first
+//! of 100 random pages in 100 distinct clusters and spins; then the
+//! barrier is timed, pausing the running vCPU as a guest's FLUSH does
+//! ("wait": until the vCPU is out of `KVM_RUN` and the state lock taken),
+//! and the guest halts. Then host threads read the first
 //! `PMEM_BENCH_LARGE_READ_GIB` GiB (default 4) of the region (what makes a
 //! scan slow: present page-table entries), one barrier protects them (timed
 //! apart), and 3 more rounds. The guest reaches only the first 4 GiB of
@@ -54,8 +56,9 @@ impl Rng {
     }
 }
 
+/// The guest's reports, and the answer to its polls (non-zero: halt).
 #[derive(Clone, Default)]
-struct Port(Arc<Mutex<Vec<Report>>>);
+struct Port(Arc<Mutex<Vec<Report>>>, Arc<std::sync::atomic::AtomicU8>);
 
 impl PortIo for Port {
     fn io_out(&mut self, port: u16, data: &[u8]) {
@@ -70,6 +73,9 @@ impl PortIo for Port {
 
     fn io_in(&mut self, _port: u16, data: &mut [u8]) {
         data.fill(0);
+        if let Some(b) = data.first_mut() {
+            *b = self.1.load(std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
@@ -222,9 +228,12 @@ fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Opti
                     steps.push(Step::write(gpa + off, 1, u64::from(r) + 1));
                 }
             }
+            // The guest keeps running after its writes (spinning, polling
+            // the port), as a guest does when its FLUSH arrives: the
+            // barrier pauses its vCPU ("wait").
             let guest = TestGuest {
                 checks: steps,
-                idle: None,
+                idle: Some(1000),
             };
             let loaded = guest.load(vm.memory(), gpa + reach)?;
             let cpu = vm.create_vcpu(id)?;
@@ -232,14 +241,24 @@ fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Opti
             loaded.configure(&cpu)?;
             let port = Port::default();
             let t = vcpu::spawn(cpu, ctl.clone(), Box::new(port.clone()))?;
-            t.join()?;
-            let reports = port.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if reports.len() != 101 || !matches!(reports.last(), Some(Report::Done(100))) {
+            let start = Instant::now();
+            let done = || {
+                let r = port.0.lock().unwrap_or_else(|e| e.into_inner());
+                r.len() == 101 && matches!(r.last(), Some(Report::Done(100)))
+            };
+            while !done() && !t.is_finished() && start.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if !done() {
+                let reports = port.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 return Err(format!("the guest did not finish its writes: {reports:?}").into());
             }
-            let t = Instant::now();
-            let s = region.barrier()?;
-            rounds.add(t.elapsed(), &s);
+            let tb = Instant::now();
+            let s = region.barrier();
+            let took = tb.elapsed();
+            port.1.store(1, std::sync::atomic::Ordering::Relaxed);
+            t.join()?;
+            rounds.add(took, &s?);
         }
         Ok(())
     };
