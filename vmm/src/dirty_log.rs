@@ -106,10 +106,54 @@ pub(crate) struct SlotLog {
     /// The VM has manual protection enabled ([`enable_manual_protect`]):
     /// a read copies the bitmap and clears what it copied.
     manual: bool,
+    /// [`host_logs_unbuffered`].
+    unbuffered: bool,
     /// Pages in the slot.
     pages: u64,
     /// One bit per page of the slot, reused by every read.
     bitmap: Vec<u64>,
+}
+
+/// Whether this host's KVM sets a page's bit in the dirty bitmap when it
+/// makes the page writable for the guest, with no per-vCPU buffer in
+/// between: then a read made while vCPUs run names every write that
+/// completed before it ([`WriteLog::complete_unheld`]). Intel's PML logs
+/// writes into a per-vCPU buffer that reaches the bitmap only at that
+/// vCPU's next exit; without PML, KVM write-protects logged pages and marks
+/// them in the fault, as AMD's SVM does (`kvm_amd` has no `pml` parameter
+/// in the kernels this project runs on; one that has it is judged by its
+/// value). Any other KVM module (or a `/sys` that cannot be read) counts
+/// as buffered. Read once, on the first call: call it before the process
+/// confines itself (`/sys/module` is outside the Landlock rules).
+pub fn host_logs_unbuffered() -> bool {
+    static UNBUFFERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *UNBUFFERED.get_or_init(|| {
+        unbuffered_by(|module, file| {
+            std::fs::read_to_string(format!("/sys/module/{module}/{file}"))
+                .ok()
+                .or_else(|| {
+                    std::path::Path::new(&format!("/sys/module/{module}/{file}"))
+                        .is_dir()
+                        .then(String::new)
+                })
+        })
+    })
+}
+
+/// [`host_logs_unbuffered`] over `read(module, path)`: a file's content,
+/// `Some("")` for a directory, `None` when absent.
+fn unbuffered_by(read: impl Fn(&str, &str) -> Option<String>) -> bool {
+    let off = |v: Option<String>| v.is_some_and(|v| matches!(v.trim(), "N" | "n" | "0"));
+    if read("kvm_intel", "").is_some() {
+        return off(read("kvm_intel", "parameters/pml"));
+    }
+    if read("kvm_amd", "").is_some() {
+        return match read("kvm_amd", "parameters/pml") {
+            None => true,
+            pml => off(pml),
+        };
+    }
+    false
 }
 
 /// Enables `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` on `vm` (before any logged
@@ -168,6 +212,7 @@ impl SlotLog {
             slot,
             live: true,
             manual,
+            unbuffered: host_logs_unbuffered(),
             pages,
             bitmap,
         })))
@@ -286,11 +331,50 @@ impl WriteLog for KvmDirtyLog {
             source: Box::new(e),
         })
     }
+
+    fn complete_unheld(&self) -> bool {
+        lock(&self.0).unbuffered
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_kvm_known_to_log_without_buffers_is_unbuffered() {
+        let host = |files: &'static [(&'static str, &'static str, &'static str)]| {
+            unbuffered_by(move |m, f| {
+                files
+                    .iter()
+                    .find(|(fm, ff, _)| *fm == m && *ff == f)
+                    .map(|(_, _, v)| v.to_string())
+            })
+        };
+        // AMD without a pml parameter, or with it off.
+        assert!(host(&[("kvm_amd", "", "")]));
+        assert!(host(&[
+            ("kvm_amd", "", ""),
+            ("kvm_amd", "parameters/pml", "N\n")
+        ]));
+        assert!(!host(&[
+            ("kvm_amd", "", ""),
+            ("kvm_amd", "parameters/pml", "Y\n")
+        ]));
+        // Intel: PML on (the default), unknown, or off.
+        assert!(!host(&[
+            ("kvm_intel", "", ""),
+            ("kvm_intel", "parameters/pml", "Y\n")
+        ]));
+        assert!(!host(&[("kvm_intel", "", "")]));
+        assert!(host(&[
+            ("kvm_intel", "", ""),
+            ("kvm_intel", "parameters/pml", "N\n")
+        ]));
+        // Another KVM (this project's hosts run `kvm_pvm`), or none known.
+        assert!(!host(&[("kvm_pvm", "", "")]));
+        assert!(!host(&[]));
+    }
 
     #[test]
     fn the_ioctl_number_is_the_kernels() {
