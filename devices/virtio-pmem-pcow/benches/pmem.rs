@@ -9,9 +9,10 @@
 //! every cluster size:
 //!
 //! 1. expansion: the first 1-byte write into each hole cluster (shuffled
-//!    order), with the image's default pool (refilled inside the fault
-//!    that runs out) and with a pool pre-filled for the whole region (what
-//!    a pre-allocation worker keeps), interleaved with the first touch of
+//!    order), with the device's default pool (refilled by its worker
+//!    thread), with the pool refilled inside the fault that runs it dry,
+//!    and with a pool pre-filled for the whole region (no worker),
+//!    interleaved with the first touch of
 //!    the same cluster of a raw sparse file mapped `MAP_SHARED` and with a
 //!    bare userfaultfd handler (the mechanism's floor: map a reserved
 //!    file cluster and wake, nothing else);
@@ -562,11 +563,13 @@ fn create_image(path: &Path, cs: u64, size: Option<u64>, base: Option<&str>) -> 
 /// How an expansion region gets its clusters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pool {
-    /// The device's default: a 4 MiB pool refilled by the worker thread.
+    /// The device's default: a sixteenth of the device, refilled by the
+    /// worker thread.
     Worker,
     /// The same pool refilled inside the write fault that runs it dry.
     Inline,
-    /// A pool holding a cluster for every hole before the first fault.
+    /// A pool holding a cluster for every hole before the first fault,
+    /// without a worker.
     Prefilled,
     /// No holes: every cluster allocated up front
     /// (`Image::preallocate`, `preallocation=falloc`).
