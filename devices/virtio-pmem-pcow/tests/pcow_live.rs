@@ -533,12 +533,7 @@ fn a_fault_that_finds_the_pool_dry_waits_for_the_workers_next_piece() {
     let rig = Rig::open_with(&path, &opts, &PoolOptions::default());
     let st = wait_pool_full(&rig);
     assert_eq!(st.pool.pool_clusters, 1);
-    let mut model = vec![0u8; (N * M2) as usize];
-    for c in 0..N {
-        let d = [c as u8 | 0x80, 0x11];
-        rig.write(c * M2 + 300, &d);
-        model[(c * M2 + 300) as usize..][..2].copy_from_slice(&d);
-    }
+    let model = write_into_each_cluster(&rig, N, M2, 300, |c| [c as u8 | 0x80, 0x11]);
     let st = rig.status();
     eprintln!("{:?}", st.pool);
     assert_eq!(st.faults.write_faults, N);
@@ -581,12 +576,7 @@ fn the_monitor_reads_a_bursts_faults_while_it_polls() {
         };
         let rig = Rig::open_with(&path, &opts, &PoolOptions::default());
         wait_pool_full(&rig);
-        let mut model = vec![0u8; (N * K64) as usize];
-        for c in 0..N {
-            let d = [c as u8 | 1, 0x5a];
-            rig.write(c * K64 + 4000, &d);
-            model[(c * K64 + 4000) as usize..][..2].copy_from_slice(&d);
-        }
+        let model = write_into_each_cluster(&rig, N, K64, 4000, |c| [c as u8 | 1, 0x5a]);
         let st = rig.status();
         eprintln!("{name}: {:?}", st.faults);
         assert_eq!(st.faults.write_faults, N, "{name}");
@@ -803,4 +793,23 @@ fn the_worker_restarts_on_the_overlay() {
     }
     check_clean(&path);
     check_clean(&ov);
+}
+
+/// Writes `data(c)` at byte `at` of each of the first `n` clusters of
+/// `cs` bytes (a first write into each: one fault apiece); the model of
+/// the region afterwards.
+fn write_into_each_cluster(
+    rig: &Rig,
+    n: u64,
+    cs: u64,
+    at: u64,
+    data: impl Fn(u64) -> [u8; 2],
+) -> Vec<u8> {
+    let mut model = vec![0u8; (n * cs) as usize];
+    for c in 0..n {
+        let d = data(c);
+        rig.write(c * cs + at, &d);
+        model[(c * cs + at) as usize..][..2].copy_from_slice(&d);
+    }
+    model
 }
