@@ -36,7 +36,7 @@ impl Image {
                 self.meta.layers[l as usize]
                     .map
                     .keys()
-                    .any(|v| (first..=last).contains(v))
+                    .any(|v| (first..=last).contains(&v))
             })
         };
         if holds {
@@ -199,7 +199,7 @@ impl Image {
         let mut held: Vec<u64> = self
             .meta
             .path_of(layer)
-            .flat_map(|l| self.meta.layers[l as usize].map.keys().copied())
+            .flat_map(|l| self.meta.layers[l as usize].map.keys())
             .collect();
         held.sort_unstable();
         held.dedup();
