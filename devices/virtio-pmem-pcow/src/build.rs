@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use pcow::{Image, LiveImage};
 
-use crate::clusters::Clusters;
+use crate::clusters::{push_run, Clusters};
 use crate::harvest::Tracking;
 use crate::mapping::{
     check_map_count, max_map_count, process_map_count, MapsError, Reservation, PAGE_SIZE,
@@ -205,25 +205,35 @@ pub(crate) fn build(
     }
 
     let uffd = Uffd::for_holes(!opts.pagemap_read_fallback)?;
+    // Shared runs side by side in the region, advised together.
+    let mut shared_spans: Vec<(u64, u64)> = Vec::new();
     for r in &runs {
         match r.kind {
             RunKind::File {
                 depth,
                 offset,
                 shared,
-            } => mapping
-                .map_file(r.offset, r.len, files[depth].as_raw_fd(), offset, shared)
-                .map_err(|source| RegionError::Map {
-                    offset: r.offset,
-                    len: r.len,
-                    depth,
-                    file_offset: offset,
-                    source,
-                })?,
+            } => {
+                mapping
+                    .map_file_unadvised(r.offset, r.len, files[depth].as_raw_fd(), offset, shared)
+                    .map_err(|source| RegionError::Map {
+                        offset: r.offset,
+                        len: r.len,
+                        depth,
+                        file_offset: offset,
+                        source,
+                    })?;
+                if shared {
+                    push_run(&mut shared_spans, (r.offset, r.offset + r.len));
+                }
+            }
             RunKind::Hole => uffd.register_missing(mapping.base() + r.offset, r.len)?,
             // The reservation is already anonymous, untouched memory.
             RunKind::Anon => {}
         }
+    }
+    for (start, end) in shared_spans {
+        mapping.advise_random(start, end - start);
     }
     drop(files);
     let scanner = PageScanner::new(opts.pagemap_read_fallback)?;

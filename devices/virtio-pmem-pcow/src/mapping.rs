@@ -126,6 +126,25 @@ impl Reservation {
         file_offset: u64,
         shared: bool,
     ) -> io::Result<()> {
+        self.map_file_unadvised(offset, len, fd, file_offset, shared)?;
+        if shared {
+            self.advise_random(offset, len);
+        }
+        Ok(())
+    }
+
+    /// [`Reservation::map_file`] without the advice: a caller that maps
+    /// many shared runs side by side (the region's open) advises them all
+    /// with one [`Reservation::advise_random`] afterwards, a system call
+    /// instead of one per run.
+    pub(crate) fn map_file_unadvised(
+        &self,
+        offset: u64,
+        len: u64,
+        fd: RawFd,
+        file_offset: u64,
+        shared: bool,
+    ) -> io::Result<()> {
         self.check(offset, len)?;
         let off = libc::off_t::try_from(file_offset)
             .map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
@@ -155,23 +174,29 @@ impl Reservation {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        if shared {
-            // No read-around on the writable layer: a fault there would
-            // otherwise read ahead (and zero, for a fresh cluster) up to
-            // the file's whole readahead window, in large folios: 160 us
-            // more per first write into a 2 MiB cluster on ext4 here. The
-            // guest's accesses are random. Every shared mapping gets it,
-            // so that neighbours still merge into one VMA.
-            // SAFETY: advice on the range just mapped; it changes no
-            // content.
-            if unsafe { libc::madvise(p, len as usize, libc::MADV_RANDOM) } != 0 {
-                log::debug!(
-                    "madvise(MADV_RANDOM) at region offset {offset:#x}: {}",
-                    io::Error::last_os_error()
-                );
-            }
-        }
         Ok(())
+    }
+
+    /// No read-around on the writable layer's mappings in
+    /// `[offset, offset + len)`: a fault there would otherwise read ahead
+    /// (and zero, for a fresh cluster) up to the file's whole readahead
+    /// window, in large folios: 160 us more per first write into a 2 MiB
+    /// cluster on ext4 here. The guest's accesses are random. Every
+    /// shared mapping gets it, so that neighbours still merge into one
+    /// VMA. Advisory: a failure is logged.
+    pub(crate) fn advise_random(&self, offset: u64, len: u64) {
+        let Ok(addr) = self.ptr(offset, len) else {
+            log::debug!("madvise(MADV_RANDOM) outside the region at {offset:#x}");
+            return;
+        };
+        // SAFETY: `ptr` proved the range lies inside this reservation;
+        // the advice changes no content.
+        if unsafe { libc::madvise(addr.cast(), len as usize, libc::MADV_RANDOM) } != 0 {
+            log::debug!(
+                "madvise(MADV_RANDOM) at region offset {offset:#x}: {}",
+                io::Error::last_os_error()
+            );
+        }
     }
 
     /// Drops the pages of `[offset, offset + len)` (anonymous memory): the
