@@ -147,7 +147,7 @@ pub(crate) fn build(
             limit: MAX_REGION_CLUSTERS,
         });
     }
-    let mapping =
+    let mut mapping =
         Reservation::new(len).map_err(|source| RegionError::Reserve { len: size, source })?;
     let mut image = LiveImage::new(image)?;
     let pool_clusters = opts
@@ -165,7 +165,8 @@ pub(crate) fn build(
         None => max_map_count()?,
     };
     let planned_vmas = runs.len() as u64;
-    check_map_count(planned_vmas, max, process_map_count()?)?;
+    let in_use = process_map_count()?;
+    check_map_count(planned_vmas, max, in_use)?;
 
     // Mapped pages must lie inside their files (a page past the end of
     // a file would raise SIGBUS on access instead of an error here).
@@ -235,6 +236,9 @@ pub(crate) fn build(
     for (start, end) in shared_spans {
         mapping.advise_random(start, end - start);
     }
+    // The open checked its own need against the limit; what the guest's
+    // faults and the barriers map from now on counts against it.
+    mapping.limit_mappings(max, in_use + planned_vmas + 2);
     drop(files);
     let scanner = PageScanner::new(opts.pagemap_read_fallback)?;
     let view = View {

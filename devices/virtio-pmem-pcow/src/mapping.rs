@@ -45,6 +45,89 @@ pub enum MapsError {
 pub struct Reservation {
     base: usize,
     len: usize,
+    /// The process's `vm.max_map_count` for [`MapBudget`], once the
+    /// region is built; `None`: no budget (while it is being built, which
+    /// checks its own need first).
+    map_limit: Option<u64>,
+}
+
+/// Mappings the device may still make at run time, shared by every region
+/// of the process (they share its `vm.max_map_count`).
+///
+/// A guest that writes scattered clusters makes a mapping per cluster
+/// (each fault into a hole and each remap splits the mapping it lands
+/// in). Unchecked, they used up the process's limit: then any allocation
+/// that needs a fresh mapping fails, anywhere in the VMM (Rust's
+/// allocator aborts the process: "memory allocation of 262144 bytes
+/// failed", measured with the startup bench). So the device stops
+/// [`VMA_MARGIN`] short of the limit: a mapping past that is refused with
+/// `ENOMEM`, the error the kernel gives at the limit, which every caller
+/// handles without losing data (a write fault falls back to the zero page
+/// and the barrier moves the write into the image; a refused remap leaves
+/// the cluster private, its data in the image).
+///
+/// Counting the process's mappings reads `/proc/self/maps` (10-40 ms at
+/// 65,000 lines here), so the count is kept as a bound: the count taken
+/// when the last region was built plus two per mapping made since. The
+/// bound follows what the device maps; what the rest of the process maps
+/// after the open (threads, its allocator) is what the margin is for.
+/// Only when the bound reaches the limit is the process counted again
+/// (mappings merge and go away, so the bound may be far above the truth),
+/// and then at most once per [`RECOUNT_EVERY`] mappings asked for, so that
+/// a region held at the limit does not count on every fault: a mapping
+/// freed meanwhile is used from the next count on, and a cluster refused
+/// meanwhile is mapped later (a write fault's cluster by the barrier's
+/// remap, a refused remap at the next barrier after a write there).
+#[derive(Debug, Default)]
+struct MapBudget {
+    /// The process's mappings at the last count (0: never counted).
+    counted: u64,
+    /// Mappings made since the last count.
+    made: u64,
+    /// Mappings asked for since the last count (made or refused).
+    asked: u64,
+}
+
+/// Mappings asked for between two counts of the process's mappings once
+/// the bound reached the limit (all of them refused): a count costs about
+/// as much as 256 faults.
+const RECOUNT_EVERY: u64 = 256;
+
+static MAP_BUDGET: std::sync::Mutex<MapBudget> = std::sync::Mutex::new(MapBudget {
+    counted: 0,
+    made: 0,
+    asked: 0,
+});
+
+impl MapBudget {
+    /// Whether one more mapping (at most two more VMAs) stays `VMA_MARGIN`
+    /// short of `limit`; `count` counts the process's mappings.
+    fn admit(&mut self, limit: u64, count: impl FnOnce() -> Result<u64, MapsError>) -> bool {
+        let threshold = limit.saturating_sub(VMA_MARGIN);
+        self.asked += 1;
+        let bound = self.counted.saturating_add(self.made.saturating_add(1) * 2);
+        if self.counted > 0 && bound <= threshold {
+            self.made += 1;
+            return true;
+        }
+        if self.counted > 0 && self.asked < RECOUNT_EVERY {
+            return false;
+        }
+        let Ok(n) = count() else {
+            // Nothing to go by: refuse, and try again later.
+            self.asked = 0;
+            return false;
+        };
+        self.counted = n.max(1);
+        self.asked = 0;
+        self.made = 0;
+        if self.counted.saturating_add(2) <= threshold {
+            self.made = 1;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 impl Reservation {
@@ -85,7 +168,27 @@ impl Reservation {
             // the result does not matter).
             libc::madvise(base as *mut libc::c_void, len, libc::MADV_NOHUGEPAGE);
         }
-        Ok(Reservation { base, len })
+        Ok(Reservation {
+            base,
+            len,
+            map_limit: None,
+        })
+    }
+
+    /// From now on, every mapping over the reservation counts against the
+    /// process's `limit` (`vm.max_map_count`, or a test's), with `in_use`
+    /// mappings in the process now (a count, or a bound): see
+    /// [`MapBudget`].
+    pub(crate) fn limit_mappings(&mut self, limit: u64, in_use: u64) {
+        self.map_limit = Some(limit);
+        let mut budget = MAP_BUDGET
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *budget = MapBudget {
+            counted: in_use.max(1),
+            made: 0,
+            asked: 0,
+        };
     }
 
     /// Host address of the first byte.
@@ -148,6 +251,16 @@ impl Reservation {
         self.check(offset, len)?;
         let off = libc::off_t::try_from(file_offset)
             .map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
+        if let Some(limit) = self.map_limit {
+            // A poisoned lock only means a thread panicked while holding
+            // it; the counts stay usable.
+            let mut budget = MAP_BUDGET
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !budget.admit(limit, process_map_count) {
+                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
+            }
+        }
         let flags = libc::MAP_FIXED
             | libc::MAP_NORESERVE
             | if shared {
@@ -263,9 +376,24 @@ pub fn max_map_count() -> Result<u64, MapsError> {
         })
 }
 
-/// The process's mappings (lines of `/proc/self/maps`).
+/// The process's mappings (lines of `/proc/self/maps`), counted through a
+/// buffer on the stack: a process at its mapping limit cannot get the
+/// memory for the whole text (megabytes: a fresh mapping).
 pub fn process_map_count() -> Result<u64, MapsError> {
-    Ok(read_proc("/proc/self/maps")?.lines().count() as u64)
+    use std::io::Read;
+    const WHAT: &str = "/proc/self/maps";
+    let err = |source| MapsError::Proc { what: WHAT, source };
+    let mut f = std::fs::File::open(WHAT).map_err(err)?;
+    let mut buf = [0u8; 16 << 10];
+    let mut lines = 0u64;
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => return Ok(lines),
+            Ok(n) => lines += buf[..n].iter().filter(|&&b| b == b'\n').count() as u64,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(err(e)),
+        }
+    }
 }
 
 /// The mappings (VMAs) inside `[start, end)`.
@@ -291,6 +419,57 @@ pub fn vmas_in(start: u64, end: u64) -> Result<u64, MapsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_budget_stops_short_of_the_limit_and_counts_again_rarely() {
+        let limit = VMA_MARGIN + 100;
+        let mut counts = 0;
+        let mut b = MapBudget::default();
+        // Counted at the first mapping: 40 in use, room for 30 more
+        // mappings of two VMAs each.
+        let mut admitted = 0;
+        for _ in 0..40 {
+            admitted += u64::from(b.admit(limit, || {
+                counts += 1;
+                Ok(40)
+            }));
+        }
+        assert_eq!((admitted, counts), (30, 1));
+        // Refused without counting until RECOUNT_EVERY were asked since
+        // the count.
+        let mut refused = 0;
+        while b.asked < RECOUNT_EVERY - 1 {
+            assert!(!b.admit(limit, || unreachable!("counted too early")));
+            refused += 1;
+        }
+        assert_eq!(refused, RECOUNT_EVERY - 40);
+        // The next count finds mappings gone (merged, unmapped): admitted.
+        assert!(b.admit(limit, || Ok(80)));
+        assert_eq!(b.counted, 80);
+        // A count that fails refuses, and is tried again later.
+        let mut b = MapBudget::default();
+        assert!(!b.admit(limit, || Err(MapsError::Proc {
+            what: "test",
+            source: io::Error::from_raw_os_error(libc::EIO),
+        })));
+        assert!(b.admit(limit, || Ok(1)));
+        // At or past the limit nothing is admitted.
+        let mut b = MapBudget::default();
+        assert!(!b.admit(limit, || Ok(limit - VMA_MARGIN - 1)));
+        assert!(!b.admit(10, || Ok(1)));
+    }
+
+    #[test]
+    fn the_process_s_mappings_are_counted_as_listed() {
+        let listed = std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .count() as u64;
+        let counted = process_map_count().unwrap();
+        // Other test threads may map or unmap between the two reads.
+        assert!(counted.abs_diff(listed) < 64, "{counted} vs {listed}");
+        assert!(counted > 5, "{counted}");
+    }
 
     #[test]
     fn map_count_check_names_the_sysctl_and_compact() {
