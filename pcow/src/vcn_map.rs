@@ -189,7 +189,8 @@ impl VcnMap {
         let Repr::Sparse { map, max, .. } = &self.repr else {
             return;
         };
-        let Ok(n) = usize::try_from(*max + 1) else {
+        // Only called while `max` is below DENSITY times the entries.
+        let Some(n) = usize::try_from(*max).ok().and_then(|m| m.checked_add(1)) else {
             return;
         };
         let mut t = vec![ABSENT; n];
