@@ -66,6 +66,14 @@ pub struct Reservation {
 /// and the barrier moves the write into the image; a refused remap leaves
 /// the cluster private, its data in the image).
 ///
+/// Only shared mappings are counted and refused: the writable layer's
+/// clusters mapped at a write fault or by a barrier's remap, whose number
+/// grows with a guest's scattered writes (each splits the mapping it
+/// lands in). A private mapping is made over runs already mapped (a
+/// snapshot demotes shared runs, a live overlay maps the new base's):
+/// it keeps their boundaries, and refusing it at the margin would stop a
+/// snapshot halfway; the kernel's own limit still applies to it.
+///
 /// Counting the process's mappings reads `/proc/self/maps` (10-40 ms at
 /// 65,000 lines here), so the count is kept as a bound: the count taken
 /// when the last region was built plus two per mapping made since. The
@@ -268,7 +276,9 @@ impl Reservation {
         self.check(offset, len)?;
         let off = libc::off_t::try_from(file_offset)
             .map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
-        if let Some(limit) = self.map_limit {
+        // Only shared mappings count: they are the ones whose number grows
+        // with the guest's scattered writes (see `MapBudget`).
+        if let (Some(limit), true) = (self.map_limit, shared) {
             // A poisoned lock only means a thread panicked while holding
             // it; the counts stay usable.
             let mut budget = MAP_BUDGET
