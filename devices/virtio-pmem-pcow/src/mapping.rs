@@ -58,8 +58,8 @@ pub struct Reservation {
 /// (each fault into a hole and each remap splits the mapping it lands
 /// in). Unchecked, they used up the process's limit: then any allocation
 /// that needs a fresh mapping fails, anywhere in the VMM (Rust's
-/// allocator aborts the process: "memory allocation of 262144 bytes
-/// failed", measured with the startup bench). So the device stops
+/// allocator then aborts the process: "memory allocation of 262144 bytes
+/// failed", in a run of the startup bench). So the device stops
 /// [`VMA_MARGIN`] short of the limit: a mapping past that is refused with
 /// `ENOMEM`, the error the kernel gives at the limit, which every caller
 /// handles without losing data (a write fault falls back to the zero page
@@ -103,9 +103,10 @@ struct MapBudget {
 /// Mappings asked for between two counts of the process's mappings once
 /// the bound reached the limit (all of them refused): a count costs about
 /// as much as 256 to 2,000 faults. Counts that still find no room double
-/// it, up to [`RECOUNT_MAX`]: a guest held at the limit wrote 20,000
-/// scattered clusters at 170 us per write with a count every 256, and the
-/// barrier after them took 2.5 s instead of 0.16 s.
+/// it, up to [`RECOUNT_MAX`]: with a count every 256 refusals, 20,000
+/// scattered writes of a guest held at the limit took 4.4-5.8 s and the
+/// barrier after them 2.5-3.8 s; with the doubling 0.85-3.3 s and
+/// 0.22-0.35 s (the startup bench, 2 runs and 4).
 const RECOUNT_EVERY: u64 = 256;
 /// The longest wait between two counts, in mappings asked for: a count
 /// then costs a refused mapping about 8 us on average, and mappings freed
@@ -199,10 +200,10 @@ impl Reservation {
         })
     }
 
-    /// From now on, every mapping over the reservation counts against the
-    /// process's `limit` (`vm.max_map_count`, or a test's), with `in_use`
-    /// mappings in the process now (a count, or a bound): see
-    /// [`MapBudget`].
+    /// From now on, every shared mapping over the reservation counts
+    /// against the process's `limit` (`vm.max_map_count`, or a test's),
+    /// with `in_use` mappings in the process now (a count, or a bound):
+    /// see [`MapBudget`].
     pub(crate) fn limit_mappings(&mut self, limit: u64, in_use: u64) {
         self.map_limit = Some(limit);
         let mut budget = MAP_BUDGET
