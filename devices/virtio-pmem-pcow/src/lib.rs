@@ -111,7 +111,7 @@ pub use device::{
 pub use fault::{Monitor, MonitorError, NoCluster};
 pub use freeze::{fail_next_freeze, FreezeError, FreezeInfo, FreezeStep};
 pub use health::{is_out_of_space, Failure};
-pub use mapping::{max_map_count, MapsError};
+pub use mapping::{max_map_count, MapsError, VMA_MARGIN};
 pub use monitor_thread::{MonitorReport, MonitorThread};
 pub use overlay::{OverlayError, OverlayInfo};
 pub use pool::{default_pool_bytes, PoolOptions, PoolStatus};
