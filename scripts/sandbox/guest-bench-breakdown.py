@@ -36,13 +36,25 @@ LOG_BEGIN = re.compile(r"^GB-PROF-LOG-BEGIN variant=(\S+) rc=(-?\d+) guest=(\S+)
 KV = re.compile(r"(\w+)=(-?[0-9.]+|true|false)")
 
 
-def blocks(path):
-    """(variant, boot status, decoded text) for each GB-PROF-LOG block."""
+KVM_KEYS = ["exits", "halt_exits", "halt_wakeup", "signal_exits", "io_exits", "mmio_exits", "irq_exits",
+            "request_irq_exits", "irq_injections", "pf_taken", "pf_fixed", "pf_fast", "pf_spurious", "pf_guest",
+            "pf_emulate", "remote_tlb_flush", "tlb_flush", "nested_run", "host_state_reload", "insn_emulation",
+            "pages_4k", "pages_2m", "mmu_shadow_zapped", "mmu_pte_write"]
+KVM_LINE = re.compile(r"^GB-PROF-KVM variant=(\S+)(.*)$")
+
+
+def blocks(path, kvm=None):
+    """(variant, boot status, decoded text) for each GB-PROF-LOG block;
+    L1's KVM counters per variant (GB-PROF-KVM lines) into KVM."""
     out = []
     cur = None
     with open(path, "rb") as f:
         for raw in f:
             line = raw.decode("utf-8", "replace").replace("\r", "").rstrip("\n")
+            m = KVM_LINE.match(line)
+            if m and kvm is not None:
+                kvm[m[1]] = {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", m[2])}
+                continue
             m = LOG_BEGIN.match(line)
             if m:
                 cur = (m[1], {"rc": int(m[2]), "guest": m[3], "wall": float(m[4])}, [])
@@ -76,7 +88,13 @@ def parse_boot(text):
     job = None
     fio_block = None
     exit_lines = []
+    snaps = {}
     for line in text.splitlines():
+        if line.startswith("GB-KVM-SNAP GB-JOB-"):
+            m = re.match(r"GB-KVM-SNAP GB-JOB-(BEGIN|END) job=(\S+) at=\S+ (.*)", line)
+            if m:
+                snaps[(m[2], m[1])] = {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", m[3])}
+            continue
         if line.startswith("GB-JOB-BEGIN job="):
             job = line.split("=", 1)[1].strip()
             jobs[job] = {"flush": [], "barrier": [], "faults": [], "fio": None}
@@ -108,6 +126,9 @@ def parse_boot(text):
         elif "pmem probe faults:" in line:
             f = dict(KV.findall(line.split("pmem probe faults:", 1)[1]))
             jobs[job]["faults"].append({k: int(f[k]) for k in ("n", "resolve_us", "lock_us", "map_us", "wake_us") if k in f})
+    for j, d in jobs.items():
+        b, e = snaps.get((j, "BEGIN")), snaps.get((j, "END"))
+        d["kvm"] = {k: e[k] - b.get(k, 0) for k in e} if b and e else None
     return jobs, exit_lines
 
 
@@ -146,7 +167,6 @@ def flush_steps(fl):
             s["commit"] = f["commit1"] - f["commit0"] if committed else 0
             s["after"] = f["barrier1"] - (f["commit1"] if committed else f["released"])
             s["to_return"] = f["flush1"] - f["barrier1"]
-            s["vcpu_back"] = f["vcpu_resumed"] - f["released"] if f["vcpu_resumed"] >= f["released"] else None
             s["vcpu_paused_in_hold"] = f["pause0"] <= f["vcpu_paused"] <= f["paused"]
         steps.append(s)
     # Kicks during each FLUSH: the counter's growth.
@@ -172,7 +192,32 @@ def fio_numbers(fio, job):
     return out
 
 
-def section(parsed, log):
+def kvm_table(kvm, parsed):
+    """L1's KVM counters over each profiled boot, and per fio operation."""
+    L = []
+    vs = [v for v, _, _ in parsed if v in kvm]
+    if not vs:
+        return L
+    ops = {}
+    for v, _, (js, _) in parsed:
+        ops[v] = sum((fio_numbers(d["fio"], j).get("ops", 0) or 0) for j, d in js.items())
+    keys = sorted({k for v in vs for k, x in kvm[v].items() if x})
+    L.append("L1's KVM counters (debugfs, global: one VM runs at a time) over each whole profiled boot "
+             "(boot, fio's start, the jobs, the syncs, poweroff), and their difference per fio operation:")
+    L.append("")
+    L.append("| counter | " + " | ".join(vs) + (" | difference per op |" if len(vs) == 2 else " |"))
+    L.append("| --- | " + " | ".join("---" for _ in vs) + (" | --- |" if len(vs) == 2 else " |"))
+    for k in keys:
+        cells = [str(kvm[v].get(k, 0)) for v in vs]
+        extra = ""
+        if len(vs) == 2 and ops.get(vs[0]):
+            extra = f" {(kvm[vs[0]].get(k, 0) - kvm[vs[1]].get(k, 0)) / ops[vs[0]]:.1f} |"
+        L.append(f"| {k} | " + " | ".join(cells) + " |" + extra)
+    L.append("")
+    return L
+
+
+def section(parsed, log, kvm=None):
     L = []
     w = L.append
     w(TITLE)
@@ -207,6 +252,18 @@ def section(parsed, log):
               f"| {nfl} ({nfl / ops if ops else 0:.2f}) | {nfa if d['faults'] or probed else '-'} ({nfa / ops if ops else 0:.3f}) "
               f"| {('%.0f us' % (res / nfa)) if nfa else '-'} |")
         w("")
+        kv = [(v, js[job]["kvm"], fio_numbers(js[job]["fio"], job).get("ops", 0) or 0)
+              for v, _, (js, _) in parsed if job in js and js[job].get("kvm")]
+        if kv:
+            keys = [k for k in KVM_KEYS if any(x.get(k) for _, x, _ in kv)]
+            w("L1's KVM counters during the job (read when the guest printed GB-JOB-BEGIN and GB-JOB-END, "
+              "polled every 0.3 s: the serial output around the markers is in them too), per fio operation:")
+            w("")
+            w("| counter | " + " | ".join(v for v, _, _ in kv) + " |")
+            w("| --- | " + " | ".join("---" for _ in kv) + " |")
+            for k in keys:
+                w(f"| {k} | " + " | ".join(f"{x.get(k, 0) / ops:.1f}" if ops else "-" for _, x, ops in kv) + " |")
+            w("")
         rows = []
         for v, _, (js, _) in parsed:
             if job not in js or not js[job]["flush"]:
@@ -237,7 +294,6 @@ def section(parsed, log):
                 ("after", "  after: the state lock again, finish, pool refill request"),
                 ("to_return", "  the barrier returned -> the handler returned (its log line)"),
                 ("answer", "the handler returned -> the FLUSH answered"),
-                ("vcpu_back", "vCPU released -> back towards KVM_RUN (overlaps the commit)"),
             ]:
                 w(f"| {text} | " + " | ".join(col(key) for _, _, col in rows) + " |")
             for v, st, _ in rows:
@@ -268,6 +324,8 @@ def section(parsed, log):
               + f"; pages found {tot('found'):.0f}, copied {tot('copied'):.0f}.")
         if bars:
             w("")
+    if kvm:
+        L.extend(kvm_table(kvm, parsed))
     for v, st, (js, ex) in parsed:
         if ex:
             w(f"- {v} at exit (whole boot: {st['wall']} s): " + "; ".join(f"`{e}`" for e in ex))
@@ -280,8 +338,9 @@ def main():
     ap.add_argument("log")
     ap.add_argument("--into")
     a = ap.parse_args()
+    kvm = {}
     try:
-        bs = blocks(a.log)
+        bs = blocks(a.log, kvm)
     except OSError as e:
         print(f"guest-bench-breakdown: {a.log}: {e}", file=sys.stderr)
         return 2
@@ -289,7 +348,7 @@ def main():
         print(f"guest-bench-breakdown: {a.log}: no GB-PROF-LOG block (run guest-bench.sh with GB_PROFILE_LOG=1)", file=sys.stderr)
         return 1
     parsed = [(v, st, parse_boot(text)) for v, st, text in bs]
-    text = section(parsed, a.log)
+    text = section(parsed, a.log, kvm)
     if not a.into:
         print(text)
         return 0

@@ -166,6 +166,12 @@ done
 # profiled boot's whole output (the guest's serial and the VMM's log, in
 # the order written) crosses the console gzipped and base64-encoded between
 # GB-PROF-LOG-BEGIN and GB-PROF-LOG-END, for guest-bench-breakdown.py.
+# kvm_stats: L1's KVM's global counters (debugfs), NAME=VALUE per line,
+# read by one process (a fork per file costs milliseconds here).
+kvm_stats() {
+    [ -d /sys/kernel/debug/kvm ] || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
+    grep -H . /sys/kernel/debug/kvm/* 2>/dev/null | sed 's|.*/||; s/:/=/'
+}
 if [ "${PROFILE:-1}" = 1 ]; then
     pvars="pcow-snap pcow-ovl"
     [ "${PROFILE_LOG:-0}" = 1 ] && pvars="$pvars raw-dax"
@@ -177,15 +183,41 @@ if [ "${PROFILE:-1}" = 1 ]; then
             echo "GB-DONE i=$sched"
             continue
         }
+        # PROFILE_LOG: L1's KVM counters at each job's start and end (they
+        # sum over live VMs only, so they are read while the VM runs: when
+        # the guest's GB-JOB-BEGIN/END appears in its output, polled every
+        # 0.3 s), added to the boot's output as GB-KVM-SNAP lines.
+        if [ "${PROFILE_LOG:-0}" = 1 ]; then
+            rm -f /tmp/kvmjobs.txt
+            (
+                n=0
+                while :; do
+                    c=$(grep -c '^GB-JOB-' /tmp/run.log 2>/dev/null)
+                    if [ "${c:-0}" != "$n" ]; then
+                        n=$c
+                        m=$(grep '^GB-JOB-' /tmp/run.log | tail -n1 | tr -d '\r')
+                        kvm_stats | tr '\n' ' ' | sed "s/^/GB-KVM-SNAP $m at=$(up) /"
+                        echo
+                    fi
+                    sleep 0.3
+                done
+            ) >/tmp/kvmjobs.txt 2>/dev/null &
+            sampler=$!
+        fi
         t=$(up)
         boot "$v" "$JOBS" "$file" -vv
         rc=$?
+        if [ "${PROFILE_LOG:-0}" = 1 ]; then
+            kill "$sampler" 2>/dev/null
+            wait "$sampler" 2>/dev/null
+        fi
         wall=$(awk -v a="$t" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')
         tr -d '\r' </tmp/run.log >/tmp/run.txt
         g=FAIL
         grep -q 'L2-RESULT rc=0' /tmp/run.txt && g=ok
         [ $g = ok ] && [ $rc -eq 0 ] || nfail=$((nfail + 1))
         if [ "${PROFILE_LOG:-0}" = 1 ]; then
+            cat /tmp/kvmjobs.txt >>/tmp/run.txt 2>/dev/null
             echo "GB-PROF-LOG-BEGIN variant=$v rc=$rc guest=$g wall=$wall"
             gzip -9 -c /tmp/run.txt | base64
             echo "GB-PROF-LOG-END"
