@@ -338,6 +338,7 @@ t=$(now)
 load_pid=$!
 skip_to=0
 attempt=0
+freezes=0
 hangs=
 declare -A hung_before
 while :; do
@@ -364,6 +365,7 @@ while :; do
     wait "$stall_pid" 2>/dev/null || true
     tr -d '\r' <"$part" >>"$log"
     [ -f "$W/stalled" ] || break
+    freezes=$((freezes + 1))
     # A block cut by the freeze is closed here, as failed, so that the
     # next attempt's lines do not land in it.
     if [ "$(grep -a -c '^GB-FIO-BEGIN' "$part")" -gt "$(grep -a -c '^GB-FIO-END' "$part")" ]; then
@@ -410,7 +412,7 @@ wait "$load_pid" 2>/dev/null || true
 LOAD=$(sort -n "$W/load.txt" | awk 'NR == 1 { lo = $1 } { hi = $1; n++ } END { if (n) printf "%s-%s (%d samples, every 20 s)", lo, hi, n }')
 t_l1=$(elapsed "$t")
 if [ -n "$hangs" ]; then
-    GB_NOTE="${GB_NOTE:+$GB_NOTE }L1 froze $attempt time(s) in this run and was restarted by guest-bench.sh, carrying on from the boot that hung: $hangs (the L1 time includes the ${STALL_S}-s waits before each restart)."
+    GB_NOTE="${GB_NOTE:+$GB_NOTE }L1 froze $freezes time(s) in this run and was restarted by guest-bench.sh, carrying on from the boot that hung: $hangs (the L1 time includes the ${STALL_S}-s waits before each restart)."
     [ -f "$W/stalled" ] && GB_NOTE="$GB_NOTE The last attempt froze too and the run stopped there."
 fi
 tr -d '\r' <"$log" | grep -a -E '^(GB-BOOT|GB-PROF|GB-L1|GB-HOST|GB-FIO-END|  L2\| )' | grep -v -a -E 'GB-PROF-(FIO|LOG)' | sed 's/^/  /' || true
