@@ -182,7 +182,7 @@ def fio_numbers(fio, job):
     if not fio or not fio.get("jobs"):
         return {}
     j = fio["jobs"][0]
-    w = j.get("write", {})
+    w = j.get("read" if job == "randread" else "write", {})
     out = {"runtime_ms": w.get("runtime", 0), "ops": w.get("total_ios", 0), "iops": w.get("iops", 0.0),
            "write_clat_mean_us": w.get("clat_ns", {}).get("mean", 0) / 1000}
     if job == "fsync":
@@ -236,7 +236,7 @@ def section(parsed, log, kvm=None):
     for job in jobs:
         w(f"### {job}")
         w("")
-        w("| variant | fio ops | fio runtime | write latency, mean | fsync latency, mean | FLUSHes (per op) | faults (per op) | monitor's service per fault, mean |")
+        w("| variant | fio ops | fio runtime | completion latency, mean | fsync latency, mean | FLUSHes (per op) | faults (per op) | monitor's service per fault, mean |")
         w("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for v, _, (js, _) in parsed:
             if job not in js:
@@ -247,10 +247,12 @@ def section(parsed, log, kvm=None):
             nfl = max(len(d["flush"]), len(d["barrier"]))
             nfa = sum(b["n"] for b in d["faults"])
             res = sum(b["resolve_us"] for b in d["faults"])
+            # Without the probe a raw FLUSH leaves no line, and faults none.
+            flushes = f"{nfl} ({nfl / ops if ops else 0:.2f})" if probed or d["barrier"] else "-"
+            faults = f"{nfa} ({nfa / ops if ops else 0:.3f})" if probed else "-"
             w(f"| {v} | {ops} | {fn.get('runtime_ms', 0)} ms | {fn.get('write_clat_mean_us', 0):.0f} us "
               f"| {('%.0f us' % fn['sync_mean_us']) if 'sync_mean_us' in fn else '-'} "
-              f"| {nfl} ({nfl / ops if ops else 0:.2f}) | {nfa if d['faults'] or probed else '-'} ({nfa / ops if ops else 0:.3f}) "
-              f"| {('%.0f us' % (res / nfa)) if nfa else '-'} |")
+              f"| {flushes} | {faults} | {('%.0f us' % (res / nfa)) if nfa else '-'} |")
         w("")
         kv = [(v, js[job]["kvm"], fio_numbers(js[job]["fio"], job).get("ops", 0) or 0)
               for v, _, (js, _) in parsed if job in js and js[job].get("kvm")]
