@@ -27,7 +27,8 @@
 # /dev/shm), and the bench's own PMEM_BENCH_* knobs (see benches/pmem.rs):
 # PMEM_BENCH_REGION_MIB (1024), PMEM_BENCH_LARGE_GIB (64),
 # PMEM_BENCH_LARGE_READ_GIB (4), PMEM_BENCH_CLUSTERS (KiB, "64,2048"),
-# PMEM_BENCH_SMALL (0 skips sections 1-4b).
+# PMEM_BENCH_SMALL (0 skips sections 1-4b), PMEM_BENCH_EXPANSION_ONLY (1 runs
+# sections 1 and 1b only).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -23,17 +23,17 @@ use std::sync::{Arc, Mutex};
 
 use crate::commit::{progress, Commit, HeaderWrite, Pending, Progress, SlotOf, Written};
 use crate::error::{io_err, Error, Result};
-use crate::format::{encode_meta, encode_snap, push_entry, Header, SnapSlot, MAX_GENERATION};
+use crate::format::{encode_meta, encode_snap, push_entry, Header, Slot, SnapSlot, MAX_GENERATION};
 use crate::image::Image;
 
 impl Image {
     /// Writes the slot `buf` at `at`: only the prefix that can differ from
     /// what the file holds (see [`crate::slot_ends`]).
     /// Returns the content's end for [`crate::slot_ends::SlotEnds::synced`].
-    pub(crate) fn write_slot(&mut self, buf: &[u8], at: u64) -> std::io::Result<usize> {
-        let p = self.commit.slot_ends.prefix_to_write(at, buf);
+    pub(crate) fn write_slot(&mut self, slot: &Slot, at: u64) -> std::io::Result<usize> {
+        let p = self.commit.slot_ends.prefix_to_write(at, slot);
         if p.len > 0 {
-            self.storage.write_at(&buf[..p.len], at)?;
+            self.storage.write_at(&slot.prefix(p.len), at)?;
         }
         Ok(p.content_end)
     }
@@ -214,13 +214,13 @@ impl Image {
         h.layer_count = self.meta.layers.len() as u32;
         h.snapshot_count = self.meta.snapshot_count() as u32;
         let hslot = other(Some(self.header.slot));
-        let hbuf = h.encode();
+        let hslot_bytes = h.encode_slot();
         let hat = u64::from(hslot) * slot_bytes;
         // The record is raised before the write is issued (by the commit),
         // as `write_slot` does.
-        let p = self.commit.slot_ends.prefix_to_write(hat, &hbuf);
+        let p = self.commit.slot_ends.prefix_to_write(hat, &hslot_bytes);
         let hwrite = HeaderWrite {
-            bytes: hbuf[..p.len].to_vec(),
+            bytes: hslot_bytes.prefix(p.len),
             at: hat,
         };
         Ok((written, h, hslot, hwrite, p.content_end))

@@ -413,8 +413,12 @@ impl Header {
 
     /// Encodes one header slot (`S` bytes, CRC filled in).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_slot().to_bytes()
+    }
+
+    /// [`Header::encode`] as its non-zero head ([`Slot`]).
+    pub(crate) fn encode_slot(&self) -> Slot {
         let g = self.geometry;
-        let mut buf = vec![0u8; g.slot_size()];
         let (name, format) = match &self.base {
             Some(b) => (b.name.as_bytes(), b.format.code()),
             None => (&[][..], 0),
@@ -440,11 +444,10 @@ impl Header {
             base_format: format,
             reserved: [0; 13],
         };
-        buf[..HEADER_LENGTH_V1 as usize].copy_from_slice(raw.as_bytes());
-        let start = HEADER_LENGTH_V1 as usize;
-        buf[start..start + name.len()].copy_from_slice(name);
-        seal(&mut buf, HEADER_CRC_OFFSET);
-        buf
+        let mut head = Vec::with_capacity(HEADER_LENGTH_V1 as usize + name.len());
+        head.extend_from_slice(raw.as_bytes());
+        head.extend_from_slice(name);
+        Slot::sealed(head, g.slot_size(), HEADER_CRC_OFFSET)
     }
 
     /// Decodes and validates (R1..R4) the header slot in `buf`, which was
@@ -752,8 +755,7 @@ pub(crate) fn encode_meta(
     layer: u32,
     used: u32,
     entries: &[u8],
-) -> Vec<u8> {
-    let mut buf = vec![0u8; g.slot_size()];
+) -> Slot {
     let raw = RawMeta {
         prefix: RawSlotPrefix {
             magic: META_MAGIC,
@@ -764,15 +766,14 @@ pub(crate) fn encode_meta(
         layer: layer.into(),
         used: used.into(),
     };
-    buf[..META_FIXED].copy_from_slice(raw.as_bytes());
-    buf[META_FIXED..META_FIXED + entries.len()].copy_from_slice(entries);
-    seal(&mut buf, CLUSTER_CRC_OFFSET);
-    buf
+    let mut head = Vec::with_capacity(META_FIXED + entries.len());
+    head.extend_from_slice(raw.as_bytes());
+    head.extend_from_slice(entries);
+    Slot::sealed(head, g.slot_size(), CLUSTER_CRC_OFFSET)
 }
 
 /// Encodes a snapshot slot.
-pub(crate) fn encode_snap(g: Geometry, generation: u64, cluster: u64, s: &SnapSlot) -> Vec<u8> {
-    let mut buf = vec![0u8; g.slot_size()];
+pub(crate) fn encode_snap(g: Geometry, generation: u64, cluster: u64, s: &SnapSlot) -> Slot {
     let raw = RawSnap {
         prefix: RawSlotPrefix {
             magic: SNAP_MAGIC,
@@ -792,21 +793,115 @@ pub(crate) fn encode_snap(g: Geometry, generation: u64, cluster: u64, s: &SnapSl
         vm_state_size: 0.into(),
         reserved2: [0; 56],
     };
-    buf[..SNAP_TAG_OFFSET].copy_from_slice(raw.as_bytes());
-    buf[SNAP_TAG_OFFSET..SNAP_TAG_OFFSET + s.tag.len()].copy_from_slice(s.tag.as_bytes());
-    seal(&mut buf, CLUSTER_CRC_OFFSET);
-    buf
+    let mut head = Vec::with_capacity(SNAP_TAG_OFFSET + s.tag.len());
+    head.extend_from_slice(raw.as_bytes());
+    head.resize(SNAP_TAG_OFFSET, 0);
+    head.extend_from_slice(s.tag.as_bytes());
+    Slot::sealed(head, g.slot_size(), CLUSTER_CRC_OFFSET)
+}
+
+/// A slot's encoding as its head: the slot is `head` followed by zeros up
+/// to `len` bytes. A slot is half a cluster (1 MiB at 2 MiB clusters) and
+/// its CRC covers all of it, but its content is short; every barrier
+/// encodes one per changed structure, so the zeros are never built, nor
+/// read for the CRC (the CRC of zeros is extended arithmetically).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Slot {
+    pub(crate) head: Vec<u8>,
+    pub(crate) len: usize,
+}
+
+impl Slot {
+    /// `head` (CRC field zero) sealed as a slot of `len` bytes: the CRC is
+    /// the one [`seal`] computes over the whole slot.
+    fn sealed(mut head: Vec<u8>, len: usize, crc_at: usize) -> Slot {
+        // The fixed part is always there; a head longer than the slot is
+        // a caller's bug the decoders' limits prevent (names, tags and
+        // entries are bounded by the slot).
+        debug_assert!(head.len() >= crc_at + 4 && head.len() <= len);
+        let c = crc32c::crc32c(&head[..crc_at]);
+        let c = crc32c::crc32c_append(c, &[0; 4]);
+        let c = crc32c::crc32c_append(c, &head[crc_at + 4..]);
+        let c = crc_append_zeros(c, len.saturating_sub(head.len()));
+        head[crc_at..crc_at + 4].copy_from_slice(&c.to_le_bytes());
+        Slot { head, len }
+    }
+
+    /// The whole slot.
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
+        self.prefix(self.len)
+    }
+
+    /// The slot's first `n` bytes (at most its length).
+    pub(crate) fn prefix(&self, n: usize) -> Vec<u8> {
+        let n = n.min(self.len);
+        let mut v = Vec::with_capacity(n);
+        v.extend_from_slice(&self.head[..n.min(self.head.len())]);
+        v.resize(n, 0);
+        v
+    }
+}
+
+/// `crc32c_append(crc, &[0; n])` without the zeros. CRC-32C's register
+/// moves linearly over zero bytes: appending `2^k` of them is a fixed
+/// 32x32 matrix over GF(2), so `n` zeros are the matrices of `n`'s bits
+/// applied in turn (a few hundred operations, where reading 1 MiB of zeros
+/// costs tens of microseconds, and far more under emulation).
+fn crc_append_zeros(crc: u32, n: usize) -> u32 {
+    static ZEROS: std::sync::OnceLock<[[u32; 32]; 48]> = std::sync::OnceLock::new();
+    let ops = ZEROS.get_or_init(|| {
+        // One zero bit in the reflected register: shift right, and feed
+        // the polynomial back for the bit shifted out.
+        let mut bit = [0u32; 32];
+        bit[0] = 0x82F6_3B78;
+        for (n, row) in bit.iter_mut().enumerate().skip(1) {
+            *row = 1 << (n - 1);
+        }
+        let byte = gf2_square(&gf2_square(&gf2_square(&bit)));
+        let mut ops = [[0u32; 32]; 48];
+        ops[0] = byte;
+        for k in 1..48 {
+            ops[k] = gf2_square(&ops[k - 1]);
+        }
+        ops
+    });
+    // The register is the CRC inverted (CRC-32C's pre- and post-inversion).
+    let mut reg = !crc;
+    for (k, op) in ops.iter().enumerate() {
+        if (n >> k) & 1 == 1 {
+            reg = gf2_times(op, reg);
+        }
+    }
+    !reg
+}
+
+/// `mat * vec` over GF(2): the rows of `mat` picked by `vec`'s bits.
+fn gf2_times(mat: &[u32; 32], mut vec: u32) -> u32 {
+    let mut sum = 0;
+    let mut i = 0;
+    while vec != 0 {
+        if vec & 1 == 1 {
+            sum ^= mat[i];
+        }
+        vec >>= 1;
+        i += 1;
+    }
+    sum
+}
+
+/// `mat * mat` over GF(2): the operator applied twice.
+fn gf2_square(mat: &[u32; 32]) -> [u32; 32] {
+    let mut sq = [0u32; 32];
+    for (row, m) in sq.iter_mut().zip(mat) {
+        *row = gf2_times(mat, *m);
+    }
+    sq
 }
 
 fn slot_crc(buf: &[u8], crc_at: usize) -> u32 {
     let c = crc32c::crc32c(&buf[..crc_at]);
     let c = crc32c::crc32c_append(c, &[0; 4]);
     crc32c::crc32c_append(c, &buf[crc_at + 4..])
-}
-
-fn seal(buf: &mut [u8], crc_at: usize) {
-    let c = slot_crc(buf, crc_at);
-    buf[crc_at..crc_at + 4].copy_from_slice(&c.to_le_bytes());
 }
 
 fn check_crc(buf: &[u8], crc_at: usize, at: u64) -> Result<(), FormatError> {
@@ -848,6 +943,71 @@ pub(crate) fn push_entry(out: &mut Vec<u8>, vcn: u64, bitmap: &[u64]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// The CRC as the format defines it, over every byte of the slot.
+    fn whole_slot_crc(bytes: &[u8], crc_at: usize) -> u32 {
+        slot_crc(bytes, crc_at)
+    }
+
+    proptest! {
+        #[test]
+        fn appending_zeros_is_the_crc_of_zeros(crc in any::<u32>(), n in 0usize..200_000) {
+            prop_assert_eq!(crc_append_zeros(crc, n), crc32c::crc32c_append(crc, &vec![0; n]));
+        }
+
+        /// A slot sealed from its head holds the CRC of the whole slot, and
+        /// its bytes are the head then zeros.
+        #[test]
+        fn a_sealed_slot_is_the_whole_slot(
+            head in proptest::collection::vec(any::<u8>(), 24..3000),
+            extra in 0usize..(1 << 21),
+            crc_at in 0usize..16,
+        ) {
+            let len = head.len() + extra;
+            let mut h = head.clone();
+            h[crc_at..crc_at + 4].fill(0);
+            let slot = Slot::sealed(h.clone(), len, crc_at);
+            let bytes = slot.to_bytes();
+            prop_assert_eq!(bytes.len(), len);
+            prop_assert_eq!(&bytes[..crc_at], &h[..crc_at]);
+            prop_assert_eq!(&bytes[crc_at + 4..h.len()], &h[crc_at + 4..]);
+            prop_assert!(bytes[h.len()..].iter().all(|b| *b == 0));
+            let stored = u32::from_le_bytes(bytes[crc_at..crc_at + 4].try_into().unwrap());
+            prop_assert_eq!(stored, whole_slot_crc(&bytes, crc_at));
+            let n = extra.min(len);
+            prop_assert_eq!(slot.prefix(n), bytes[..n].to_vec());
+        }
+    }
+
+    #[test]
+    fn encoded_slots_decode_at_every_cluster_size() {
+        for bits in [12, 16, 21] {
+            let g = Geometry::new(bits).unwrap();
+            let mut h = Header::new(g, 1 << 30, None);
+            h.generation = 7;
+            let bytes = h.encode();
+            assert_eq!(bytes.len(), g.slot_size());
+            check_crc(&bytes, HEADER_CRC_OFFSET, 0).unwrap();
+            let m = encode_meta(g, 3, 1, 0, 0, &[]).to_bytes();
+            check_crc(&m, CLUSTER_CRC_OFFSET, 0).unwrap();
+            let s = encode_snap(
+                g,
+                3,
+                1,
+                &SnapSlot {
+                    layer: 1,
+                    parent_layer: 0,
+                    snapshot_id: 1,
+                    tag: "t".into(),
+                    time_sec: 1,
+                    time_nsec: 2,
+                },
+            )
+            .to_bytes();
+            check_crc(&s, CLUSTER_CRC_OFFSET, 0).unwrap();
+        }
+    }
 
     #[test]
     fn geometry_table() {

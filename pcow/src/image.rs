@@ -387,7 +387,10 @@ impl Image {
     fn start_writing(&mut self) -> Result<()> {
         let path = self.path.clone();
         if !self.found.stale.is_empty() {
-            let zeros = vec![0u8; self.g.slot_size()];
+            let zeros = crate::format::Slot {
+                head: Vec::new(),
+                len: self.g.slot_size(),
+            };
             let stale = std::mem::take(&mut self.found.stale);
             for &off in &stale {
                 self.write_slot(&zeros, off)

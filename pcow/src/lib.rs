@@ -65,6 +65,7 @@ mod scan;
 mod slot_ends;
 mod snapshot;
 mod temp;
+mod vcn_map;
 mod view;
 mod write;
 

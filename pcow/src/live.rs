@@ -175,8 +175,7 @@ impl Image {
         let mut partial: Vec<(u64, u32)> = self.meta.layers[active as usize]
             .map
             .iter()
-            .filter(|(_, &e)| !(0..pages).all(|p| self.meta.bit(e, p)))
-            .map(|(&v, &e)| (v, e))
+            .filter(|&(_, e)| !(0..pages).all(|p| self.meta.bit(e, p)))
             .collect();
         partial.sort_unstable();
         let cs = self.g.cluster_size();

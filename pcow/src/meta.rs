@@ -2,29 +2,7 @@
 //! the scan found them and writes stage them, and the lookups through the
 //! layers of a view.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
-/// Multiplicative hash for cluster numbers: the keys are integers that
-/// SipHash would spend most of the open time on.
-#[derive(Default)]
-pub(crate) struct VcnHasher(u64);
-
-impl Hasher for VcnHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (n ^ (n >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-pub(crate) type VcnMap = HashMap<u64, u32, BuildHasherDefault<VcnHasher>>;
+pub(crate) use crate::vcn_map::VcnMap;
 
 /// A layer: a snapshot cluster (or the file start) and the entries after it.
 #[derive(Debug)]

@@ -149,15 +149,16 @@ impl Image {
                                 pages: g.pages() as u64,
                                 offset: entry_at + 8,
                             })?;
-                        } else if self.meta.layers[layer as usize].map.contains_key(&vcn) {
+                        } else if !self.meta.layers[layer as usize]
+                            .map
+                            .insert_new(vcn, self.meta.entries.len() as u32)
+                        {
                             report(FormatError::DuplicateVcn {
                                 vcn,
                                 layer,
                                 offset: entry_at,
                             })?;
                         } else {
-                            let idx = self.meta.entries.len() as u32;
-                            self.meta.layers[layer as usize].map.insert(vcn, idx);
                             self.meta.entries.push(Entry {
                                 vcn,
                                 cluster,

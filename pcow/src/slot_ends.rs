@@ -22,6 +22,8 @@
 
 use std::collections::HashMap;
 
+use crate::format::Slot;
+
 /// Writes are rounded up to this (the page cache's unit): a shorter write
 /// would cost a read-modify-write of the page in the kernel.
 const WRITE_UNIT: usize = 4096;
@@ -75,9 +77,9 @@ impl SlotEnds {
     /// `at` to make the slot hold exactly `new`; raises the record to cover
     /// both the old and the new content until [`SlotEnds::synced`] is told
     /// the returned content end.
-    pub(crate) fn prefix_to_write(&mut self, at: u64, new: &[u8]) -> Prefix {
-        let slot = new.len();
-        let new_end = content_end(new);
+    pub(crate) fn prefix_to_write(&mut self, at: u64, new: &Slot) -> Prefix {
+        let slot = new.len;
+        let new_end = content_end(&new.head);
         let old_end = self.ends.get(&at).copied().unwrap_or(slot);
         let end = new_end.max(old_end);
         self.ends.insert(at, end);
@@ -117,10 +119,17 @@ mod tests {
         assert_eq!(content_end(&[1, 0, 2, 0]), 3);
     }
 
-    fn slot(content: usize, len: usize) -> Vec<u8> {
+    fn bytes(content: usize, len: usize) -> Vec<u8> {
         let mut v = vec![0u8; len];
         v[..content].fill(0xa5);
         v
+    }
+
+    fn slot(content: usize, len: usize) -> Slot {
+        Slot {
+            head: vec![0xa5; content],
+            len,
+        }
     }
 
     #[test]
@@ -132,7 +141,7 @@ mod tests {
     #[test]
     fn a_known_slot_is_written_up_to_the_larger_content_in_pages() {
         let mut e = SlotEnds::default();
-        e.observed(4096, &slot(5000, 1 << 20));
+        e.observed(4096, &bytes(5000, 1 << 20));
         // Shorter new content: the old bytes up to 5000 must become zero.
         let p = e.prefix_to_write(4096, &slot(100, 1 << 20));
         assert_eq!((p.len, p.content_end), (8192, 100));
@@ -145,7 +154,7 @@ mod tests {
     #[test]
     fn an_unsynced_write_keeps_the_larger_bound() {
         let mut e = SlotEnds::default();
-        e.observed(0, &slot(9000, 1 << 16));
+        e.observed(0, &bytes(9000, 1 << 16));
         assert_eq!(e.prefix_to_write(0, &slot(10, 1 << 16)).len, 12288);
         // The sync failed: the file may hold either content.
         assert_eq!(e.prefix_to_write(0, &slot(10, 1 << 16)).len, 12288);
@@ -154,7 +163,7 @@ mod tests {
     #[test]
     fn small_slots_are_never_overrun() {
         let mut e = SlotEnds::default();
-        e.observed(2048, &slot(10, 2048));
+        e.observed(2048, &bytes(10, 2048));
         assert_eq!(e.prefix_to_write(2048, &slot(20, 2048)).len, 2048);
         e.forget_cluster(0, 2048);
         assert_eq!(e.prefix_to_write(2048, &slot(20, 2048)).len, 2048);

@@ -979,7 +979,7 @@ s12_steps() {
         match($0, /S12-BEGIN [A-Za-z0-9]+/) { cur = substr($0, RSTART + 10, RLENGTH - 10); order[++n] = cur }
         /S12-END / { cur = "" }
         /FLUSH barrier: found=/ && cur != "" {
-            tr = 0; lg = 0
+            tr = 0; lg = 0; uh = 0
             for (i = 1; i <= NF; i++) {
                 split($i, kv, "=")
                 if (kv[1] == "found") f[cur] += kv[2]
@@ -988,12 +988,14 @@ s12_steps() {
                 if (kv[1] == "scan_us") s[cur] += kv[2]
                 if (kv[1] == "tracked" && kv[2] == "true") tr = 1
                 if (kv[1] == "logged" && kv[2] == "true") lg = 1
+                if (kv[1] == "unheld" && kv[2] == "true") uh = 1
             }
             if (!tr && !lg) untracked[cur] = 1
             l[cur] += lg
+            u[cur] += uh
             b[cur]++
         }
-        END { for (i = 1; i <= n; i++) { k = order[i]; printf "%s %d %d %d %d %d %d %d\n", k, b[k], f[k], c[k], h[k], s[k], untracked[k], l[k] } }'
+        END { for (i = 1; i <= n; i++) { k = order[i]; printf "%s %d %d %d %d %d %d %d %d\n", k, b[k], f[k], c[k], h[k], s[k], untracked[k], l[k], u[k] } }'
 }
 sc12() {
     [ "$VMM" = ch ] || { why="needs our VMM (its barrier log)"; return 1; }
@@ -1004,13 +1006,15 @@ sc12() {
     boot s12-track "file=$img" "l2.scenario=s12track l2.n=$S12_BYTES" "vv"
     booted_ok s12-track || { img_out "$img"; return 1; }
     s12_steps $L/s12-track.log >$L/s12-steps.txt
-    echo "VMMSC-INFO 12 steps (step barriers found copied held_us scan_us untracked logged): $(tr '\n' ';' <$L/s12-steps.txt)"
+    echo "VMMSC-INFO 12 steps (step barriers found copied held_us scan_us untracked logged unheld): $(tr '\n' ';' <$L/s12-steps.txt)"
     pages=$((S12_BYTES / 4096 / 8))
     nlogged=0
-    while read -r st nb found copied held scan untracked logged; do
+    nunheld=0
+    while read -r st nb found copied held scan untracked logged unheld; do
         [ "$nb" -gt 0 ] || why="${why:+$why; }$st: no FLUSH barrier logged"
         [ "$untracked" = 0 ] || why="${why:+$why; }$st: a barrier ran without write tracking"
         nlogged=$((nlogged + logged))
+        nunheld=$((nunheld + unheld))
         case $st in
             idle | read | idle2)
                 [ "$found" -le $S12_SLACK ] || why="${why:+$why; }$st: $found pages found (nothing of t.bin was written; at most $S12_SLACK allowed)" ;;
@@ -1029,7 +1033,7 @@ sc12() {
     [ -z "$why" ] || return 1
     [ $c1 -eq 0 ] || { why="pcow-img check after the tracking run: rc=$c1"; return 1; }
     booted_ok s12-verify || return 1
-    note="guest writes through KVM found by write tracking: $(awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $3 }' $L/s12-steps.txt) pages ($pages written per write step); $nlogged barriers on KVM's dirty log; check rc=0; t.bin read back on the next boot"
+    note="guest writes through KVM found by write tracking: $(awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $3 }' $L/s12-steps.txt) pages ($pages written per write step); $nlogged barriers on KVM's dirty log ($nunheld of them without pausing the vCPU); check rc=0; t.bin read back on the next boot"
 }
 
 # ---- scenario 13: a preallocated image ------------------------------------------

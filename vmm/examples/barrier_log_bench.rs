@@ -11,8 +11,10 @@
 //! base of `PMEM_BENCH_LARGE_GIB` GiB (default 64) as its pmem memslot:
 //! one registered with KVM's dirty log (barriers follow it), one without
 //! (barriers scan). In 3 rounds the test guest writes one byte into each
-//! of 100 random pages in 100 distinct clusters and halts; then the
-//! barrier is timed. Then host threads read the first
+//! of 100 random pages in 100 distinct clusters and spins; then the
+//! barrier is timed, pausing the running vCPU as a guest's FLUSH does
+//! ("wait": until the vCPU is out of `KVM_RUN` and the state lock taken),
+//! and the guest halts. Then host threads read the first
 //! `PMEM_BENCH_LARGE_READ_GIB` GiB (default 4) of the region (what makes a
 //! scan slow: present page-table entries), one barrier protects them (timed
 //! apart), and 3 more rounds. The guest reaches only the first 4 GiB of
@@ -20,7 +22,8 @@
 //! random pages lie there; what a barrier costs does not depend on where.
 //!
 //! Run: `cargo run -p vmm --example barrier_log_bench` (the workspace's dev
-//! profile is optimized). Without a usable `/dev/kvm` it prints SKIPPED.
+//! profile is optimized). `PMEM_BENCH_CELLS=tmpfs-64K,disk-2M` runs only
+//! those cells, `PMEM_BENCH_ONLY_LOG=1` only the dirty-log variant. Without a usable `/dev/kvm` it prints SKIPPED.
 //! Never asserts timings.
 
 use std::fs::File;
@@ -53,8 +56,9 @@ impl Rng {
     }
 }
 
+/// The guest's reports, and the answer to its polls (non-zero: halt).
 #[derive(Clone, Default)]
-struct Port(Arc<Mutex<Vec<Report>>>);
+struct Port(Arc<Mutex<Vec<Report>>>, Arc<std::sync::atomic::AtomicU8>);
 
 impl PortIo for Port {
     fn io_out(&mut self, port: u16, data: &[u8]) {
@@ -69,6 +73,9 @@ impl PortIo for Port {
 
     fn io_in(&mut self, _port: u16, data: &mut [u8]) {
         data.fill(0);
+        if let Some(b) = data.first_mut() {
+            *b = self.1.load(std::sync::atomic::Ordering::Relaxed);
+        }
     }
 }
 
@@ -81,7 +88,8 @@ fn p50_max(mut v: Vec<f64>) -> (f64, f64) {
     (v[v.len() / 2], v[v.len() - 1])
 }
 
-/// A barrier's times, p50 over rounds: (total, scan, copy, commit).
+/// A barrier's times, p50 over rounds: the total and its pieces
+/// (`BarrierStats`).
 #[derive(Default)]
 struct Rounds {
     total: Vec<f64>,
@@ -89,6 +97,9 @@ struct Rounds {
     copy: Vec<f64>,
     commit: Vec<f64>,
     held: Vec<f64>,
+    stage: Vec<f64>,
+    wait: Vec<f64>,
+    publish: Vec<f64>,
     logged: usize,
     copied: u64,
 }
@@ -100,6 +111,9 @@ impl Rounds {
         self.copy.push(ms(s.copy));
         self.commit.push(ms(s.commit));
         self.held.push(ms(s.held));
+        self.stage.push(ms(s.stage));
+        self.wait.push(ms(s.wait));
+        self.publish.push(ms(s.publish));
         self.logged += usize::from(s.write_log);
         self.copied += s.pages_copied;
     }
@@ -112,11 +126,14 @@ impl Rounds {
     fn split(&self) -> String {
         let p = |v: &Vec<f64>| p50_max(v.clone()).0;
         format!(
-            "{:.3} / {:.3} / {:.3} / {:.3}",
+            "{:.3} / {:.3} / {:.3} / {:.3} / {:.3} / {:.3} / {:.3}",
+            p(&self.wait),
             p(&self.scan),
             p(&self.copy),
+            p(&self.stage),
+            p(&self.held),
             p(&self.commit),
-            p(&self.held)
+            p(&self.publish)
         )
     }
 }
@@ -211,9 +228,12 @@ fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Opti
                     steps.push(Step::write(gpa + off, 1, u64::from(r) + 1));
                 }
             }
+            // The guest keeps running after its writes (spinning, polling
+            // the port), as a guest does when its FLUSH arrives: the
+            // barrier pauses its vCPU ("wait").
             let guest = TestGuest {
                 checks: steps,
-                idle: None,
+                idle: Some(1000),
             };
             let loaded = guest.load(vm.memory(), gpa + reach)?;
             let cpu = vm.create_vcpu(id)?;
@@ -221,14 +241,24 @@ fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Opti
             loaded.configure(&cpu)?;
             let port = Port::default();
             let t = vcpu::spawn(cpu, ctl.clone(), Box::new(port.clone()))?;
-            t.join()?;
-            let reports = port.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            if reports.len() != 101 || !matches!(reports.last(), Some(Report::Done(100))) {
+            let start = Instant::now();
+            let done = || {
+                let r = port.0.lock().unwrap_or_else(|e| e.into_inner());
+                r.len() == 101 && matches!(r.last(), Some(Report::Done(100)))
+            };
+            while !done() && !t.is_finished() && start.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if !done() {
+                let reports = port.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 return Err(format!("the guest did not finish its writes: {reports:?}").into());
             }
-            let t = Instant::now();
-            let s = region.barrier()?;
-            rounds.add(t.elapsed(), &s);
+            let tb = Instant::now();
+            let s = region.barrier();
+            let took = tb.elapsed();
+            port.1.store(1, std::sync::atomic::Ordering::Relaxed);
+            t.join()?;
+            rounds.add(took, &s?);
         }
         Ok(())
     };
@@ -336,13 +366,23 @@ fn main() -> Res<()> {
     }
     println!();
     println!(
-        "| fs | cluster | variant | base not read: barrier p50 / max | scan / copy / commit / held | barriers on the log | after reading {} GiB: first barrier | then barrier p50 / max | scan / copy / commit / held | I/O floor p50 / max | barrier / floor, not read / read (p50) |",
+        "| fs | cluster | variant | base not read: barrier p50 / max | wait / scan / copy / stage / held / commit / publish | barriers on the log | after reading {} GiB: first barrier | then barrier p50 / max | wait / scan / copy / stage / held / commit / publish | I/O floor p50 / max | barrier / floor, not read / read (p50) |",
         read / GIB
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut cell = 0;
+    // `PMEM_BENCH_CELLS=tmpfs-64K,disk-2M`: only those cells (iterating).
+    let cells = std::env::var("PMEM_BENCH_CELLS").ok();
+    let only_log = std::env::var_os("PMEM_BENCH_ONLY_LOG").is_some();
     for (fs, root) in [("tmpfs", "/dev/shm"), ("disk", "/var/tmp")] {
         for cs in [64u64 << 10, 2 << 20] {
+            let name = format!("{fs}-{}", if cs == 64 << 10 { "64K" } else { "2M" });
+            if cells
+                .as_deref()
+                .is_some_and(|c| !c.split(',').any(|c| c == name))
+            {
+                continue;
+            }
             let dir = tempfile::Builder::new()
                 .prefix("barrier-log-bench")
                 .tempdir_in(root)?;
@@ -359,6 +399,9 @@ fn main() -> Res<()> {
             cell += 1;
             let mut rows = Vec::new();
             for logged in order {
+                if only_log && !logged {
+                    continue;
+                }
                 if let Some(v) = variant(dir.path(), cs, large, read, logged)? {
                     rows.push((logged, v));
                 }

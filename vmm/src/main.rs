@@ -225,6 +225,8 @@ fn run() -> Result<()> {
         }
         None => (None, None),
     };
+    // Read from /sys before Landlock (at boot or restore) shuts it out.
+    vmm::dirty_log::host_logs_unbuffered();
     // The VMM thread confines itself before it creates, boots or restores
     // anything: every thread it spawns from here on inherits this filter
     // (the device crate's fault and pool threads included) and narrows it.

@@ -180,7 +180,7 @@ const SPAWN: &[i64] = &[
 /// pcow image I/O: reads and writes, durability (fsync of files and of
 /// directories), space, locks, the live overlay's and the barrier's
 /// mappings (mremap; PAGEMAP_SCAN on /proc/self/pagemap and KVM's dirty log
-/// of a pmem memslot, KVM_GET_DIRTY_LOG, are `ioctl`s, in the request tables).
+/// of a pmem memslot, KVM_GET_DIRTY_LOG and KVM_CLEAR_DIRTY_LOG, are `ioctl`s, in the request tables).
 const IMAGE_IO: &[i64] = &[
     libc::SYS_fadvise64,
     libc::SYS_fallocate,
@@ -322,7 +322,9 @@ const VMM_IOCTLS: &[u32] = &[
     KVM_GET_MSR_INDEX_LIST,
     KVM_CREATE_VCPU,
     KVM_SET_USER_MEMORY_REGION,
+    KVM_ENABLE_CAP,
     KVM_GET_DIRTY_LOG,
+    KVM_CLEAR_DIRTY_LOG,
     KVM_SET_TSS_ADDR,
     KVM_CREATE_IRQCHIP,
     KVM_IRQFD,
@@ -394,6 +396,7 @@ const VCPU_IOCTLS: &[u32] = &[
 /// (UFFDIO_REGISTER in write-protect mode).
 const PMEM_QUEUE_IOCTLS: &[u32] = &[
     KVM_GET_DIRTY_LOG,
+    KVM_CLEAR_DIRTY_LOG,
     dev(pagemap::PAGEMAP_SCAN),
     dev(uffd::UFFDIO_WRITEPROTECT),
     dev(uffd::UFFDIO_REGISTER),

@@ -5,7 +5,7 @@
 //! the VM before anything else may reuse the host range it pointed at.
 
 use crate::boot::layout;
-use crate::dirty_log::{KvmDirtyLog, SharedSlotLog, SlotLog};
+use crate::dirty_log::{enable_manual_protect, KvmDirtyLog, SharedSlotLog, SlotLog};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
@@ -172,6 +172,8 @@ pub struct Vm {
     memory: GuestMemoryMmap,
     table: Arc<Mutex<SlotTable>>,
     fd: Arc<VmFd>,
+    /// Dirty logs are read with manual protection (`dirty_log`).
+    manual_log: bool,
     _kvm: Kvm,
 }
 
@@ -213,6 +215,7 @@ impl Vm {
         let fd = Arc::new(kvm.create_vm().map_err(VmError::CreateVm)?);
         fd.set_tss_address(TSS_ADDRESS)
             .map_err(VmError::TssAddress)?;
+        let manual_log = enable_manual_protect(&fd);
         let table = Arc::new(Mutex::new(SlotTable {
             max: kvm.get_nr_memslots(),
             used: Vec::new(),
@@ -222,6 +225,7 @@ impl Vm {
             memory,
             table,
             fd,
+            manual_log,
             _kvm: kvm,
         };
         let ranges: Vec<(u64, u64, u64)> = vm
@@ -320,7 +324,7 @@ impl Vm {
         let host = region_host(gpa, host_addr, len)?;
         // SAFETY: the caller keeps the range mapped for the slot's life.
         let why = match unsafe { self.add_slot(gpa, host, len, KVM_MEM_LOG_DIRTY_PAGES) } {
-            Ok(mut slot) => match SlotLog::new(self.fd.clone(), slot.slot, len) {
+            Ok(mut slot) => match SlotLog::new(self.fd.clone(), slot.slot, len, self.manual_log) {
                 Ok(log) => match KvmDirtyLog(log.clone()).take(&mut |_| {}) {
                     Ok(()) => {
                         slot.log = Some(log);
@@ -339,6 +343,13 @@ impl Vm {
         // SAFETY: as above (a slot registered with the flag was dropped
         // on the way here, which deleted it).
         unsafe { self.add_slot(gpa, host, len, 0) }
+    }
+
+    /// Whether this VM's dirty logs are read with manual protection
+    /// (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`: a read copies the bitmap, a
+    /// clear re-protects only what it named).
+    pub fn dirty_log_manual(&self) -> bool {
+        self.manual_log
     }
 
     /// Registers a memslot.

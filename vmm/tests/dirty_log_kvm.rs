@@ -8,8 +8,9 @@
 //! once). The guest then writes again, pages it wrote before (private and
 //! already copied) and new ones; the host's barrier must follow the log.
 //! Last, the guest counts forever into a pmem word while the host runs
-//! barriers: each write lands between two barriers, or while one holds the
-//! vCPU, and none may be lost. With the vCPU paused, a last barrier; the
+//! barriers and status reads (which read the log with the vCPU running):
+//! each write lands between two barriers, or while one holds the vCPU, and
+//! none may be lost. With the vCPU paused, a last barrier; the
 //! image is reopened with pcow, checks clean, and holds every page the
 //! guest wrote and the count's last value; the hole only read is not
 //! allocated.
@@ -28,6 +29,7 @@ use virtio_pmem_pcow::{MonitorReport, MonitorThread, PcowRegion, RegionOptions};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::testguest::{Check, Report, Step, TestGuest};
 use vmm::vcpu::{self, VcpuControl, VcpuStop};
+use vmm::vm::Vm;
 
 mod common;
 use common::{chain, uffd_or_skip, vm_or_skip, Port};
@@ -222,12 +224,17 @@ fn barriers_on_the_dirty_log_miss_no_guest_write() {
     assert_eq!((s.private_pages, s.pages_copied), (3, 3), "{s:?}");
     vm.memory().write_obj(2u64, GuestAddress(PHASE)).unwrap();
 
-    // The guest counts; barriers run meanwhile.
+    // The guest counts; barriers run meanwhile, and status reads, which
+    // read (and with manual protection clear) the log while the guest
+    // runs: the pages they take are kept for the next barrier.
     let start = Instant::now();
     let mut barriers = 0;
     let mut copied = 0;
     while start.elapsed() < Duration::from_millis(600) {
         std::thread::sleep(Duration::from_millis(5));
+        if barriers % 2 == 0 {
+            region.status().unwrap();
+        }
         let s = region.barrier().unwrap();
         assert!(s.write_log, "{s:?}");
         barriers += 1;
@@ -281,4 +288,78 @@ fn barriers_on_the_dirty_log_miss_no_guest_write() {
         "the hole read is not allocated"
     );
     eprintln!("{test}: {} clusters allocated", img.allocated_clusters());
+}
+
+/// Runs the test guest once on a new vCPU: one byte into each of `pages`
+/// (page numbers of the slot at `gpa`), then halts.
+fn write_pages(vm: &Vm, id: u8, gpa: u64, len: u64, pages: &[u64], value: u64) {
+    let guest = TestGuest {
+        checks: pages
+            .iter()
+            .map(|p| Step::write(gpa + p * PAGE + 9, 1, value))
+            .collect(),
+        idle: None,
+    };
+    let loaded = guest.load(vm.memory(), gpa + len).unwrap();
+    let cpu = vm.create_vcpu(id).unwrap();
+    loaded.configure(&cpu).unwrap();
+    let port = Port::default();
+    let t = vcpu::spawn(cpu, VcpuControl::new().unwrap(), Box::new(port.clone())).unwrap();
+    t.join().unwrap();
+    let r = port.0.lock().unwrap().clone();
+    assert!(
+        matches!(r.last(), Some(Report::Done(n)) if *n as usize == pages.len()),
+        "the guest did not finish its writes: {r:?}"
+    );
+}
+
+/// The log names each page the guest wrote, once: a second read names
+/// nothing (with manual protection that needs the read's clear: without
+/// it, the same pages came back), and a page written again after a read
+/// is named again (the clear re-protected it). Pages far apart, past the
+/// first 64 of the slot (a clear spans words of the bitmap).
+#[test]
+fn the_dirty_log_names_each_write_once_and_again_after_a_new_write() {
+    let test = "the_dirty_log_names_each_write_once_and_again_after_a_new_write";
+    let Some(vm) = vm_or_skip(test, 2 << 20) else {
+        return;
+    };
+    const LEN: u64 = 64 << 20;
+    // SAFETY: a new private anonymous mapping at no fixed address; it
+    // replaces nothing and is unmapped after the slot is gone.
+    let host = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(host, libc::MAP_FAILED);
+    let gpa = vm.next_region_gpa().unwrap();
+    // SAFETY: the mapping outlives the slot (dropped before the munmap).
+    let slot = unsafe { vm.add_logged_region(gpa, host.cast(), LEN) }.unwrap();
+    let Some(log) = slot.write_log() else {
+        println!("SKIPPED {test}: this KVM gives no dirty log");
+        return;
+    };
+    println!("manual protection: {}", vm.dirty_log_manual());
+    let take = || {
+        let mut v = Vec::new();
+        log.take(&mut |p| v.push(p)).unwrap();
+        v.sort_unstable();
+        v
+    };
+    let first = [0, 3, 100, 5000, 16383];
+    write_pages(&vm, 0, gpa, LEN, &first, 1);
+    assert_eq!(take(), first);
+    assert_eq!(take(), Vec::<u64>::new(), "a second read names nothing");
+    write_pages(&vm, 1, gpa, LEN, &[3, 16383], 2);
+    assert_eq!(take(), [3, 16383], "pages written after a read");
+    assert_eq!(take(), Vec::<u64>::new());
+    drop(slot);
+    // SAFETY: the slot that pointed at it is deleted; nothing else uses it.
+    unsafe { libc::munmap(host, LEN as usize) };
 }

@@ -9,9 +9,10 @@
 //! every cluster size:
 //!
 //! 1. expansion: the first 1-byte write into each hole cluster (shuffled
-//!    order), with the image's default pool (refilled inside the fault
-//!    that runs out) and with a pool pre-filled for the whole region (what
-//!    a pre-allocation worker keeps), interleaved with the first touch of
+//!    order), with the device's default pool (refilled by its worker
+//!    thread), with the pool refilled inside the fault that runs it dry,
+//!    and with a pool pre-filled for the whole region (no worker),
+//!    interleaved with the first touch of
 //!    the same cluster of a raw sparse file mapped `MAP_SHARED` and with a
 //!    bare userfaultfd handler (the mechanism's floor: map a reserved
 //!    file cluster and wake, nothing else);
@@ -41,7 +42,8 @@
 //! `PMEM_BENCH_LARGE_GIB` (default 64, 0 skips), `PMEM_BENCH_LARGE_READ_GIB`
 //! (default 4), `PMEM_BENCH_OUT` (result files, default `pmem-bench` in the
 //! current directory), `PMEM_BENCH_QEMU` (0 skips `qemu-img`),
-//! `PMEM_BENCH_SMALL` (0 skips sections 1-4b, the ones on the small region).
+//! `PMEM_BENCH_SMALL` (0 skips sections 1-4b, the ones on the small region),
+//! `PMEM_BENCH_EXPANSION_ONLY` (1 runs sections 1 and 1b only).
 //! Nothing here asserts a timing.
 
 use std::collections::BTreeMap;
@@ -77,6 +79,7 @@ struct Config {
     out: PathBuf,
     qemu: bool,
     small: bool,
+    expansion_only: bool,
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -117,6 +120,7 @@ impl Config {
                 .unwrap_or_else(|| PathBuf::from("pmem-bench")),
             qemu: env_u64("PMEM_BENCH_QEMU", 1) != 0,
             small: env_u64("PMEM_BENCH_SMALL", 1) != 0,
+            expansion_only: env_u64("PMEM_BENCH_EXPANSION_ONLY", 0) != 0,
         }
     }
 }
@@ -559,11 +563,13 @@ fn create_image(path: &Path, cs: u64, size: Option<u64>, base: Option<&str>) -> 
 /// How an expansion region gets its clusters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pool {
-    /// The device's default: a 4 MiB pool refilled by the worker thread.
+    /// The device's default: a sixteenth of the device, refilled by the
+    /// worker thread.
     Worker,
     /// The same pool refilled inside the write fault that runs it dry.
     Inline,
-    /// A pool holding a cluster for every hole before the first fault.
+    /// A pool holding a cluster for every hole before the first fault,
+    /// without a worker.
     Prefilled,
     /// No holes: every cluster allocated up front
     /// (`Image::preallocate`, `preallocation=falloc`).
@@ -578,15 +584,22 @@ fn fresh_region(path: &Path, cs: u64, size: u64, pool: Pool) -> Res<Rig> {
         img.preallocate(pcow::Preallocation::Falloc)?;
     }
     if pool == Pool::Prefilled {
-        let n = size / cs + 1;
+        // Every data cluster and the meta clusters they need (one per
+        // 2,046 data clusters at 64 KiB, fewer at larger sizes), so that
+        // no fault has to grow the file.
+        let n = size / cs + size / cs / 64 + 2;
         let mut live = pcow::LiveImage::new(img)?;
         live.set_pool_clusters(n);
         live.fill_pool()?;
         img = live.into_image();
         opts.pool_clusters = Some(n);
     }
+    // A pre-filled pool already holds a cluster for every hole: a worker
+    // would only refill what the faults take, a gigabyte of `fallocate`
+    // running beside the other variants' turns, which is not what the
+    // variant measures (and slows the others).
     let po = match pool {
-        Pool::Inline => PoolOptions::inline(),
+        Pool::Inline | Pool::Prefilled => PoolOptions::inline(),
         _ => PoolOptions::default(),
     };
     Rig::from_image(img, &opts, &po)
@@ -792,7 +805,7 @@ struct Case {
 /// Clusters one variant expands in a row in the expansion benchmark.
 const EXPANSION_RUN: usize = 64;
 
-fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
+fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res<RawMap> {
     let (cs, size) = (c.cs, c.size);
     let n = size / cs;
     println!(
@@ -897,13 +910,17 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     }
     rep.note(format!(
         "{}: expansion with the worker: {} write faults ({} read by the monitor while it polled), \
-         {} fallbacks; pool: {} refills by the worker, {} faults that had to allocate inline",
+         {} fallbacks; pool: {} refills by the worker ({} stale pieces), {} faults that had to \
+         allocate inline, {} that waited for the worker's next piece, {} clusters at the end",
         c.name,
         stw.faults.write_faults,
         stw.faults.polled,
         stw.faults.fallbacks,
         stw.pool.refills,
-        stw.pool.inline_allocations
+        stw.pool.stale_refills,
+        stw.pool.inline_allocations,
+        stw.pool.piece_waits,
+        stw.pool.pool_clusters
     ));
     let lat = rep.latency.entry(c.name.clone()).or_default();
     lat.insert("raw_first_touch", sr.p50);
@@ -918,6 +935,11 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report) -> Res<RawMap> {
     rig_i.close();
     let _ = std::fs::remove_file(c.dir.join("worker.pcow"));
     let _ = std::fs::remove_file(c.dir.join("inline.pcow"));
+    if expansion_only {
+        rig_b.close();
+        let _ = std::fs::remove_file(c.dir.join("prefilled.pcow"));
+        return Ok(raw);
+    }
 
     // 2. Steady state over the mapped region.
     println!("[{}] steady state over {}", c.name, size_name(size));
@@ -1644,11 +1666,16 @@ fn barrier_after_hole_reads(c: &Case, rep: &mut Report) -> Res<()> {
 
 fn run_case(cfg: &Config, c: &Case, rep: &mut Report) -> Res<()> {
     if cfg.small {
-        let raw = expansion_steady_cow(c, rep)?;
-        barrier_pending(c, &raw, rep)?;
-        barrier_after_hole_reads(c, rep)?;
+        let raw = expansion_steady_cow(c, rep, cfg.expansion_only)?;
+        if !cfg.expansion_only {
+            barrier_pending(c, &raw, rep)?;
+            barrier_after_hole_reads(c, rep)?;
+        }
         drop(raw);
         let _ = std::fs::remove_file(c.dir.join("raw.img"));
+    }
+    if cfg.expansion_only {
+        return Ok(());
     }
     if cfg.large > 0 {
         barrier_large(c, cfg.large, cfg.large_read, rep)?;

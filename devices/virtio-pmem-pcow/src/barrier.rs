@@ -6,7 +6,14 @@
 //! A barrier runs on its caller's thread (the device's queue, the API):
 //!
 //! 1. the barrier lock ([`Shared::serialize`]): one barrier, snapshot or
-//!    overlay at a time;
+//!    overlay at a time; then, with a write log that vouches for reads
+//!    made while writers run ([`crate::WriteLog::complete_unheld`]), the
+//!    log is read under the state lock, and when it names no page that
+//!    needs a move (only pages of clusters mapped shared from the image,
+//!    whose writes the commit's sync covers), steps 2-4 are skipped: the
+//!    commit is staged at once, writers never held (an fsync in the guest
+//!    ends in two FLUSHes, the second of which usually finds only such
+//!    pages);
 //! 2. writers held ([`Quiesce::hold`]): the copy from the region into the
 //!    file and the remap over the cluster see no concurrent write, so
 //!    nothing a guest wrote can be lost between them. The state lock is
@@ -134,6 +141,20 @@ pub struct BarrierStats {
     pub copy: Duration,
     /// Time spent in the image's barrier (syncs and metadata commit).
     pub commit: Duration,
+    /// Time spent staging the commit (metadata slots written, the next
+    /// header built), inside [`BarrierStats::held`] for a plain barrier.
+    pub stage: Duration,
+    /// Time from the barrier's start until writers were held and the state
+    /// lock taken (pausing the vCPUs, waiting for a barrier or fault in
+    /// progress).
+    pub wait: Duration,
+    /// Time after the commit's syncs until the barrier returned (the state
+    /// lock again, publishing the commit, asking for a refill).
+    pub publish: Duration,
+    /// Whether the barrier ran without holding writers: the write log,
+    /// read with them running, named no page that needed a move
+    /// ([`crate::WriteLog::complete_unheld`]).
+    pub unheld: bool,
     /// Time writers were held: the scan and the copy. A plain barrier
     /// ([`crate::PcowRegion::barrier`], the guest's FLUSH) releases them
     /// before its commit; snapshots and overlays hold them throughout.
@@ -339,25 +360,60 @@ pub(crate) fn barrier(
     shared: &Shared,
     quiesce: &dyn Quiesce,
 ) -> Result<BarrierStats, BarrierError> {
+    let t0 = Instant::now();
     let mut serial = shared.serialize();
-    // Hold first, lock second: the monitor must be able to serve a
-    // writer's fault while the hold waits for that writer.
-    let held = hold(quiesce)?;
-    let t = Instant::now();
+    let mut stats = BarrierStats::default();
     let mut st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
     prepare(&mut st)?;
-    // The pool worker starts no new piece of a refill while the pages are
-    // copied and the commit staged: the barrier's writes to the file wait
-    // for at most the piece in flight. It refills again during the syncs,
-    // for the faults served meanwhile.
-    let quiet = st.pool.quiet();
-    let mut stats = BarrierStats::default();
-    let staged = move_held(&mut st, &mut stats).and_then(|moved| stage(&mut st, moved));
-    drop(quiet);
-    // Copied and re-protected: what the guest writes from here on belongs
-    // to the next barrier.
-    drop(held);
-    stats.held = t.elapsed();
+    let unheld = {
+        let s = &mut *st;
+        s.tracking.nothing_to_move(&s.view)
+    };
+    let staged = if unheld {
+        // The log, read with writers running, vouches for every write
+        // before it, and names none that needs a move: what the guest
+        // wrote is in the image's file already, and the commit's sync
+        // makes it durable. Nothing to hold the writers for.
+        stats.unheld = true;
+        stats.write_log = true;
+        stats.wait = t0.elapsed();
+        let ts = Instant::now();
+        let r = stage(
+            &mut st,
+            Moved {
+                harvest: Harvest::default(),
+            },
+        );
+        stats.stage = ts.elapsed();
+        r
+    } else {
+        drop(st);
+        // Hold first, lock second: the monitor must be able to serve a
+        // writer's fault while the hold waits for that writer.
+        let held = hold(quiesce)?;
+        let t = Instant::now();
+        st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
+        stats.wait = t0.elapsed();
+        prepare(&mut st)?;
+        // The pool worker starts no new piece of a refill while the pages
+        // are copied and the commit staged: the barrier's writes to the
+        // file wait for at most the piece in flight. It refills again
+        // during the syncs, for the faults served meanwhile.
+        let quiet = st.pool.quiet();
+        let staged = move_held(&mut st, &mut stats).and_then(|moved| {
+            let ts = Instant::now();
+            let r = stage(&mut st, moved);
+            stats.stage = ts.elapsed();
+            r
+        });
+        drop(quiet);
+        // Copied and re-protected: what the guest writes from here on
+        // belongs to the next barrier.
+        drop(held);
+        stats.held = t.elapsed();
+        staged
+    };
+    let mut tp = Instant::now();
     let r = match staged {
         Err(e) => Err(e),
         Ok(None) => {
@@ -369,12 +425,14 @@ pub(crate) fn barrier(
             let tc = Instant::now();
             let written = staged.commit.write();
             stats.commit = tc.elapsed();
+            tp = Instant::now();
             st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
             finish(&mut st, staged, written)
         }
     };
     request_refill(&mut st);
     r?;
+    stats.publish = tp.elapsed();
     serial.barriers += 1;
     serial.pages_copied += stats.pages_copied;
     Ok(stats)

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use pcow::{Image, LiveImage};
 
-use crate::clusters::Clusters;
+use crate::clusters::{push_run, Clusters};
 use crate::harvest::Tracking;
 use crate::mapping::{
     check_map_count, max_map_count, process_map_count, MapsError, Reservation, PAGE_SIZE,
@@ -147,7 +147,7 @@ pub(crate) fn build(
             limit: MAX_REGION_CLUSTERS,
         });
     }
-    let mapping =
+    let mut mapping =
         Reservation::new(len).map_err(|source| RegionError::Reserve { len: size, source })?;
     let mut image = LiveImage::new(image)?;
     let pool_clusters = opts
@@ -165,7 +165,8 @@ pub(crate) fn build(
         None => max_map_count()?,
     };
     let planned_vmas = runs.len() as u64;
-    check_map_count(planned_vmas, max, process_map_count()?)?;
+    let in_use = process_map_count()?;
+    check_map_count(planned_vmas, max, in_use)?;
 
     // Mapped pages must lie inside their files (a page past the end of
     // a file would raise SIGBUS on access instead of an error here).
@@ -205,26 +206,39 @@ pub(crate) fn build(
     }
 
     let uffd = Uffd::for_holes(!opts.pagemap_read_fallback)?;
+    // Shared runs side by side in the region, advised together.
+    let mut shared_spans: Vec<(u64, u64)> = Vec::new();
     for r in &runs {
         match r.kind {
             RunKind::File {
                 depth,
                 offset,
                 shared,
-            } => mapping
-                .map_file(r.offset, r.len, files[depth].as_raw_fd(), offset, shared)
-                .map_err(|source| RegionError::Map {
-                    offset: r.offset,
-                    len: r.len,
-                    depth,
-                    file_offset: offset,
-                    source,
-                })?,
+            } => {
+                mapping
+                    .map_file_unadvised(r.offset, r.len, files[depth].as_raw_fd(), offset, shared)
+                    .map_err(|source| RegionError::Map {
+                        offset: r.offset,
+                        len: r.len,
+                        depth,
+                        file_offset: offset,
+                        source,
+                    })?;
+                if shared {
+                    push_run(&mut shared_spans, (r.offset, r.offset + r.len));
+                }
+            }
             RunKind::Hole => uffd.register_missing(mapping.base() + r.offset, r.len)?,
             // The reservation is already anonymous, untouched memory.
             RunKind::Anon => {}
         }
     }
+    for (start, end) in shared_spans {
+        mapping.advise_random(start, end - start);
+    }
+    // The open checked its own need against the limit; what the guest's
+    // faults and the barriers map from now on counts against it.
+    mapping.limit_mappings(max, in_use + planned_vmas + 2);
     drop(files);
     let scanner = PageScanner::new(opts.pagemap_read_fallback)?;
     let view = View {

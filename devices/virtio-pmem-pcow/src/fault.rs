@@ -286,16 +286,11 @@ fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolve
     let (start, cs) = st.view.span(vcn, vcn + 1);
     match st.view.clusters.get(vcn) {
         ClusterState::Hole if write => {
-            // The pool had a shortfall and has none after the allocation:
-            // the fault grew the file by a whole pool itself (a worker's
-            // refill is only taken in `PoolCtl::apply`).
-            let before = st.image().ok().and_then(|i| i.pool_shortfall());
             match map_fresh(st, vcn) {
-                Ok(()) => {
+                Ok(grew) => {
                     st.counters.faults.write_faults += 1;
                     st.view.uffd.wake(start, cs)?;
-                    let after = st.image().ok().and_then(|i| i.pool_shortfall());
-                    if before.is_some() && after.is_none() {
+                    if grew {
                         st.pool.note_inline();
                     }
                     Ok(Resolved::Allocated)
@@ -339,8 +334,9 @@ fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolve
     }
 }
 
-/// Allocates the active cluster for hole `vcn` and maps it shared.
-fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<(), NoCluster> {
+/// Allocates the active cluster for hole `vcn` and maps it shared; returns
+/// whether the allocation grew the file itself (the pool was empty).
+fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<bool, NoCluster> {
     let image = match &mut st.image {
         Writable::Open(i) => i,
         Writable::Switching => {
@@ -356,14 +352,20 @@ fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<(), NoCluster> {
             })
         }
     };
+    st.pool.before_allocation(image);
+    // The pool's shortfall starts at the file's end: an allocation that
+    // moves it (or fills the pool whole) grew the file itself.
+    let end_before = image.pool_shortfall().map(|(at, _)| at);
     let ac = image
         .active_cluster(vcn)
         .map_err(|source| NoCluster::Image { vcn, source })?;
+    let grew = end_before.is_some() && image.pool_shortfall().map(|(at, _)| at) != end_before;
     if !ac.whole {
         return Err(NoCluster::Partial { vcn });
     }
     let fd = top_fd(image).map_err(|source| NoCluster::Map { vcn, source })?;
     st.view
         .map_clusters(vcn, vcn + 1, fd, ac.file_offset, true)
-        .map_err(|source| NoCluster::Map { vcn, source })
+        .map_err(|source| NoCluster::Map { vcn, source })?;
+    Ok(grew)
 }

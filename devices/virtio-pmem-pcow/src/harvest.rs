@@ -309,6 +309,38 @@ impl Tracking {
         Ok(runs)
     }
 
+    /// Before a barrier holds the writers: reads the log (writers
+    /// running) when it vouches for such reads, and whether every page
+    /// written since the last barrier needs no move (all in shared
+    /// clusters, none left by a failed barrier): then the barrier
+    /// needs no hold. The pages read are kept for the held harvest
+    /// otherwise.
+    pub(crate) fn nothing_to_move(&mut self, view: &View) -> bool {
+        let ready = self.log_primed
+            && self.unsaved.is_empty()
+            && self.log.as_ref().is_some_and(|l| l.complete_unheld());
+        if !ready || !self.read_log() {
+            return false;
+        }
+        // Only pages of shared clusters: the guest wrote into the image's
+        // file, whatever the page holds and whenever the write ends (a
+        // cluster leaves that state only under a held barrier). A
+        // zero-mapped page is classified by its content, which writers may
+        // be changing, and a write the log named into a hole may still be
+        // on its way through a fault that maps it private: those take the
+        // held path.
+        let cs = view.cs;
+        let none = self.logged.iter().all(|&p| {
+            p.checked_mul(PAGE_SIZE)
+                .filter(|&off| off < view.len())
+                .is_none_or(|off| view.clusters.get(off / cs) == ClusterState::Shared)
+        });
+        if none {
+            self.logged.clear();
+        }
+        none
+    }
+
     /// The written pages to move at this barrier, by cluster, and the
     /// pages a failed barrier left: the pages the write log named, or,
     /// without a log it can trust yet, those a scan finds (write

@@ -62,9 +62,11 @@
 //!    alone, per batch of faults. It is held for in-memory work, mmap and
 //!    ioctl calls and writes into the page cache (a barrier's copy of the
 //!    written pages into the file; an allocation when the pre-allocated
-//!    pool is empty), never across a sync by a FLUSH barrier: it drops the
-//!    lock (and the writers) before the commit's syncs and takes it again
-//!    to publish the commit, so a fault never waits for a sync. Snapshots
+//!    pool is empty, after a wait of at most 10 ms for the pool worker's
+//!    next piece, which never needs this lock), never across a sync by a
+//!    FLUSH barrier: it drops the lock (and the writers) before the
+//!    commit's syncs and takes it again to publish the commit, so a fault
+//!    never waits for a sync. Snapshots
 //!    and overlays keep it (and the writers) through their commits, so
 //!    faults wait for them. `status` copies under it and scans the page
 //!    tables and reads `/proc/self/maps` without it;
@@ -109,7 +111,7 @@ pub use device::{
 pub use fault::{Monitor, MonitorError, NoCluster};
 pub use freeze::{fail_next_freeze, FreezeError, FreezeInfo, FreezeStep};
 pub use health::{is_out_of_space, Failure};
-pub use mapping::{max_map_count, MapsError};
+pub use mapping::{max_map_count, MapsError, VMA_MARGIN};
 pub use monitor_thread::{MonitorReport, MonitorThread};
 pub use overlay::{OverlayError, OverlayInfo};
 pub use pool::{default_pool_bytes, PoolOptions, PoolStatus};

@@ -394,13 +394,14 @@ impl PcowRegion {
             .barrier()
             .map_err(|e| FlushError::from_error(Box::new(e)))?;
         log::debug!(
-            "pmem FLUSH barrier: found={} copied={} tracked={} logged={} held_us={} scan_us={}",
+            "pmem FLUSH barrier: found={} copied={} tracked={} logged={} held_us={} scan_us={} unheld={}",
             s.private_pages,
             s.pages_copied,
             s.tracked,
             s.write_log,
             s.held.as_micros(),
-            s.scan.as_micros()
+            s.scan.as_micros(),
+            s.unheld
         );
         Ok(())
     }

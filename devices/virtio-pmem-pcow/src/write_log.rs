@@ -17,7 +17,12 @@
 //!   succeeds has moved them (a status that reads the log keeps them for
 //!   the next barrier; a failed barrier keeps its harvest);
 //! - writers are held from the log's read to the end of the copy, so what
-//!   a barrier copies of a page holds every write the log named it for.
+//!   a barrier copies of a page holds every write the log named it for;
+//! - except where nothing is copied: a log that vouches for reads made
+//!   while writers run ([`WriteLog::complete_unheld`]) lets a barrier
+//!   whose log names only pages that need no move (pages of clusters
+//!   mapped shared from the image, which the commit's sync covers) skip
+//!   holding the writers.
 
 /// Errors of a [`WriteLog`].
 #[derive(Debug, thiserror::Error)]
@@ -47,4 +52,12 @@ pub trait WriteLog: Send + Sync {
     /// region then finds the written pages by scanning until a call
     /// succeeds again.
     fn take_written(&self, into: &mut dyn FnMut(u64)) -> Result<(), WriteLogError>;
+
+    /// Whether a call made while writers run names every write that
+    /// completed before the call began (no per-writer buffer that only
+    /// holding the writers would flush: Intel's PML is one). `false`
+    /// unless the log knows.
+    fn complete_unheld(&self) -> bool {
+        false
+    }
 }

@@ -505,6 +505,55 @@ fn with_the_worker_write_faults_never_allocate_inline() {
     check_clean(&path2);
 }
 
+/// A write fault that finds the pool dry while the worker refills it
+/// waits for the worker's next piece instead of growing the file itself
+/// (on tmpfs a 2 MiB piece is hundreds of microseconds of page allocation,
+/// so back-to-back faults outrun the worker), and the pool deepens, up to
+/// four times its configured size. Before, every other fault here grew the
+/// file inline while the worker's refill, reserved whole and only then
+/// taken, came back stale.
+#[test]
+fn a_fault_that_finds_the_pool_dry_waits_for_the_workers_next_piece() {
+    let name = "a_fault_that_finds_the_pool_dry_waits_for_the_workers_next_piece";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+        eprintln!("SKIPPED {name}: no /dev/shm");
+        return;
+    };
+    const M2: u64 = 2 << 20;
+    const N: u64 = 32;
+    let path = dir.path().join("dry.pcow");
+    create(&path, N * M2, M2, None).close().unwrap();
+    let opts = RegionOptions {
+        pool_clusters: Some(1),
+        ..RegionOptions::default()
+    };
+    let rig = Rig::open_with(&path, &opts, &PoolOptions::default());
+    let st = wait_pool_full(&rig);
+    assert_eq!(st.pool.pool_clusters, 1);
+    let model = write_into_each_cluster(&rig, N, M2, 300, |c| [c as u8 | 0x80, 0x11]);
+    let st = rig.status();
+    eprintln!("{:?}", st.pool);
+    assert_eq!(st.faults.write_faults, N);
+    assert_eq!(st.faults.fallbacks, 0);
+    assert!(st.pool.piece_waits > 0, "{:?}", st.pool);
+    // A worker that gets no CPU for 10 ms lets a fault grow the file
+    // itself: rare, never half of them.
+    assert!(st.pool.inline_allocations <= N / 8, "{:?}", st.pool);
+    assert_eq!(
+        st.pool.pool_clusters, 4,
+        "deepened to 4 times: {:?}",
+        st.pool
+    );
+    assert_eq!(st.pool_error, None);
+    rig.region.barrier().unwrap();
+    rig.close();
+    same(&reopen_read(&path), &model, "reopened");
+    check_clean(&path);
+}
+
 /// After a fault the monitor keeps reading its userfaultfd for a while
 /// (`RegionOptions::fault_poll`): faults read while it polls are resolved
 /// like any other, and a zero window never polls.
@@ -527,12 +576,7 @@ fn the_monitor_reads_a_bursts_faults_while_it_polls() {
         };
         let rig = Rig::open_with(&path, &opts, &PoolOptions::default());
         wait_pool_full(&rig);
-        let mut model = vec![0u8; (N * K64) as usize];
-        for c in 0..N {
-            let d = [c as u8 | 1, 0x5a];
-            rig.write(c * K64 + 4000, &d);
-            model[(c * K64 + 4000) as usize..][..2].copy_from_slice(&d);
-        }
+        let model = write_into_each_cluster(&rig, N, K64, 4000, |c| [c as u8 | 1, 0x5a]);
         let st = rig.status();
         eprintln!("{name}: {:?}", st.faults);
         assert_eq!(st.faults.write_faults, N, "{name}");
@@ -749,4 +793,23 @@ fn the_worker_restarts_on_the_overlay() {
     }
     check_clean(&path);
     check_clean(&ov);
+}
+
+/// Writes `data(c)` at byte `at` of each of the first `n` clusters of
+/// `cs` bytes (a first write into each: one fault apiece); the model of
+/// the region afterwards.
+fn write_into_each_cluster(
+    rig: &Rig,
+    n: u64,
+    cs: u64,
+    at: u64,
+    data: impl Fn(u64) -> [u8; 2],
+) -> Vec<u8> {
+    let mut model = vec![0u8; (n * cs) as usize];
+    for c in 0..n {
+        let d = data(c);
+        rig.write(c * cs + at, &d);
+        model[(c * cs + at) as usize..][..2].copy_from_slice(&d);
+    }
+    model
 }

@@ -30,6 +30,9 @@ struct FakeLog {
     /// The next read fails, losing the pages it took.
     fail_next: AtomicBool,
     reads: AtomicU64,
+    /// What [`WriteLog::complete_unheld`] answers (a log without
+    /// per-writer buffers: each write is named before it is made).
+    unheld: AtomicBool,
 }
 
 impl FakeLog {
@@ -56,6 +59,10 @@ impl WriteLog for FakeLog {
             into(p);
         }
         Ok(())
+    }
+
+    fn complete_unheld(&self) -> bool {
+        self.unheld.load(Ordering::Relaxed)
     }
 }
 
@@ -315,15 +322,37 @@ fn a_failed_log_read_makes_the_barrier_scan_and_nothing_is_lost() {
 
 #[test]
 fn no_write_is_lost_while_writers_race_barriers_and_status_reads() {
-    let test = "no_write_is_lost_while_writers_race_barriers_and_status_reads";
+    race(
+        "no_write_is_lost_while_writers_race_barriers_and_status_reads",
+        false,
+        32,
+    );
+}
+
+/// The race above with a log that vouches for reads with writers running,
+/// over holes only: once written, every cluster is shared, and most
+/// barriers run without holding the writers.
+#[test]
+fn no_write_is_lost_while_writers_race_barriers_that_hold_no_writer() {
+    race(
+        "no_write_is_lost_while_writers_race_barriers_that_hold_no_writer",
+        true,
+        0,
+    );
+}
+
+/// Writers rewrite pages of `CLUSTERS` clusters (the first `data` over base
+/// data, the rest holes) while barriers and status reads run; every write
+/// must be in the image at the end.
+fn race(test: &str, unheld: bool, data: u64) {
     if !uffd_or_skip(test) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    // 32 clusters over base data, 32 holes.
     const CLUSTERS: u64 = 64;
-    let (top, model) = over_base(dir.path(), CLUSTERS, 32);
+    let (top, model) = over_base(dir.path(), CLUSTERS, data);
     let (rig, log) = with_log(&top, &RegionOptions::default());
+    log.unheld.store(unheld, Ordering::Relaxed);
     let rig = Arc::new(rig);
     let model = Arc::new(Mutex::new(model));
     let stop = Arc::new(AtomicBool::new(false));
@@ -372,10 +401,12 @@ fn no_write_is_lost_while_writers_race_barriers_and_status_reads() {
     let start = Instant::now();
     let mut barriers = 0;
     let mut logged = 0;
+    let mut without_hold = 0;
     while start.elapsed() < Duration::from_millis(1500) {
         let s = rig.region.barrier().unwrap();
         barriers += 1;
         logged += u64::from(s.write_log);
+        without_hold += u64::from(s.unheld);
         // Between barriers, what the last one committed is a state the
         // guest wrote: checked at the end, with every write.
         std::thread::sleep(Duration::from_millis(3));
@@ -384,11 +415,22 @@ fn no_write_is_lost_while_writers_race_barriers_and_status_reads() {
     let writes: u64 = writers.into_iter().map(|t| t.join().unwrap()).sum();
     let statuses = status.join().unwrap();
     rig.region.barrier().unwrap();
-    eprintln!("{test}: {writes} writes, {barriers} barriers ({logged} on the log), {statuses} status reads");
+    eprintln!(
+        "{test}: {writes} writes, {barriers} barriers ({logged} on the log, \
+         {without_hold} without holding the writers), {statuses} status reads"
+    );
     assert!(
         barriers > 10 && logged >= barriers - 1,
         "{barriers} {logged}"
     );
+    if unheld {
+        assert!(
+            without_hold > 0,
+            "no barrier ran without holding the writers"
+        );
+    } else {
+        assert_eq!(without_hold, 0);
+    }
     let model = model.lock().unwrap().clone();
     same(&view_forced(&top), &model, "committed image after the race");
     let rig = Arc::into_inner(rig).expect("threads joined");
@@ -458,4 +500,81 @@ fn chain(e: &dyn std::error::Error) -> String {
         src = x.source();
     }
     s
+}
+
+/// Runs a barrier on another thread while this one is a writer inside the
+/// gate (a vCPU in the guest): `Some(stats)` if the barrier finished
+/// without holding the writers (within 2 s), `None` if it waited for the
+/// writer, which is then let go so that the barrier finishes.
+fn barrier_beside_a_writer(
+    rig: &Rig,
+) -> (
+    Option<virtio_pmem_pcow::BarrierStats>,
+    virtio_pmem_pcow::BarrierStats,
+) {
+    let entry = rig.gate.enter();
+    std::thread::scope(|sc| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let h = sc.spawn(move || {
+            let s = rig.region.barrier().unwrap();
+            let _ = tx.send(s);
+            s
+        });
+        let unheld = rx.recv_timeout(Duration::from_secs(2)).ok();
+        drop(entry);
+        (unheld, h.join().unwrap())
+    })
+}
+
+/// A barrier whose log (one that vouches for reads with writers running)
+/// names only pages of clusters mapped shared from the image holds no
+/// writer, and still makes those writes durable; one that names a page of
+/// a private cluster, or a log that does not vouch, holds them.
+#[test]
+fn a_barrier_whose_log_names_only_shared_pages_holds_no_writer() {
+    let test = "a_barrier_whose_log_names_only_shared_pages_holds_no_writer";
+    if !uffd_or_skip(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Clusters 0..4 hold base data (private), 4..8 are holes.
+    let (top, mut model) = over_base(dir.path(), 8, 4);
+    let (rig, log) = with_log(&top, &RegionOptions::default());
+    log.unheld.store(true, Ordering::Relaxed);
+    // A first write into each hole maps it shared from the image; the
+    // first barrier scans once (priming the log).
+    for c in 4..8 {
+        w(&rig, &log, &mut model, c * K64 + 100, c, 8);
+    }
+    let s = rig.region.barrier().unwrap();
+    assert!(!s.write_log && !s.unheld, "{s:?}");
+
+    // Writes into shared clusters only: no hold, and durable.
+    w(&rig, &log, &mut model, 5 * K64 + 3 * PAGE, 51, 100);
+    w(&rig, &log, &mut model, 7 * K64, 71, 4096);
+    let (unheld, s) = barrier_beside_a_writer(&rig);
+    assert!(unheld.is_some(), "the barrier waited for the writer: {s:?}");
+    assert!(s.unheld && s.write_log && s.held.is_zero(), "{s:?}");
+    assert_eq!(s.pages_copied, 0, "{s:?}");
+    same(&view_forced(&top), &model, "after the unheld barrier");
+
+    // A page of a private cluster: the barrier must hold the writers.
+    w(&rig, &log, &mut model, 2 * K64 + PAGE, 21, 10);
+    w(&rig, &log, &mut model, 6 * K64, 61, 10);
+    let (unheld, s) = barrier_beside_a_writer(&rig);
+    assert!(
+        unheld.is_none(),
+        "a private page moved without holding: {s:?}"
+    );
+    assert!(!s.unheld && s.write_log, "{s:?}");
+    assert_eq!(s.pages_copied, 1, "{s:?}");
+    same(&view_forced(&top), &model, "after the held barrier");
+
+    // A log that does not vouch for reads with writers running.
+    log.unheld.store(false, Ordering::Relaxed);
+    w(&rig, &log, &mut model, 4 * K64 + 9, 41, 10);
+    let (unheld, s) = barrier_beside_a_writer(&rig);
+    assert!(unheld.is_none(), "held without a log that vouches: {s:?}");
+    assert!(!s.unheld, "{s:?}");
+    close_and_compare(rig, &top, &model, "after all barriers");
 }

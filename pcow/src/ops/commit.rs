@@ -182,7 +182,7 @@ pub(crate) fn held_vcns(img: &Image, layer: u32) -> Vec<u64> {
     let mut v: Vec<u64> = img
         .meta
         .path_of(Some(layer))
-        .flat_map(|l| img.meta.layers[l as usize].map.keys().copied())
+        .flat_map(|l| img.meta.layers[l as usize].map.keys())
         .collect();
     v.sort_unstable();
     v.dedup();

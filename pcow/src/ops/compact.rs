@@ -174,7 +174,7 @@ fn write_compacted(src: &Image, tmp: &Path) -> Result<(u32, u64)> {
         let group = &p.groups[&k];
         let mut vcns: Vec<u64> = group
             .iter()
-            .flat_map(|&l| src.meta.layers[l as usize].map.keys().copied())
+            .flat_map(|&l| src.meta.layers[l as usize].map.keys())
             .collect();
         vcns.sort_unstable();
         vcns.dedup();

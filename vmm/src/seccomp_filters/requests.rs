@@ -11,9 +11,10 @@
 use std::mem::size_of;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_fpu, kvm_ioeventfd,
-    kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs,
-    kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
+    kvm_clear_dirty_log, kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_enable_cap,
+    kvm_fpu, kvm_ioeventfd, kvm_irq_routing, kvm_irqchip, kvm_irqfd, kvm_lapic_state, kvm_mp_state,
+    kvm_msr_list, kvm_msrs, kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events,
+    kvm_xcrs, kvm_xsave, KVMIO,
 };
 
 /// `_IOC_WRITE` and `_IOC_READ` (`asm-generic/ioctl.h`).
@@ -51,6 +52,11 @@ pub const KVM_GET_SUPPORTED_CPUID: u32 = iowr(0x05, size_of::<kvm_cpuid2>());
 pub const KVM_CREATE_VCPU: u32 = io(0x41);
 /// A pcow memslot's dirty log (`dirty_log.rs`): barriers and status reads.
 pub const KVM_GET_DIRTY_LOG: u32 = iow(0x42, size_of::<kvm_dirty_log>());
+/// With manual protection of the dirty log, what a read took is cleared
+/// apart (`dirty_log.rs`).
+pub const KVM_CLEAR_DIRTY_LOG: u32 = iowr(0xc0, size_of::<kvm_clear_dirty_log>());
+/// Set-up of a VM: manual dirty-log protection (`dirty_log.rs`).
+pub const KVM_ENABLE_CAP: u32 = iow(0xa3, size_of::<kvm_enable_cap>());
 pub const KVM_SET_USER_MEMORY_REGION: u32 = iow(0x46, size_of::<kvm_userspace_memory_region>());
 pub const KVM_SET_TSS_ADDR: u32 = io(0x47);
 pub const KVM_CREATE_IRQCHIP: u32 = io(0x60);
