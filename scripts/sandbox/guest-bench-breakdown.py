@@ -323,7 +323,10 @@ def section(parsed, log, kvm=None):
             w(f"{v}: the device's own line for these {len(b)} FLUSHes: held {tot('held_us') / 1000:.1f} ms in all "
               f"(scan {tot('scan_us') / 1000:.1f} ms" + (f", copy {tot('copy_us') / 1000:.1f} ms" if any('copy_us' in x for x in b) else "")
               + ")" + (f", commit {tot('commit_us') / 1000:.1f} ms" if any('commit_us' in x for x in b) else "")
-              + f"; pages found {tot('found'):.0f}, copied {tot('copied'):.0f}.")
+              + f"; pages found {tot('found'):.0f}, copied {tot('copied'):.0f}"
+              + (f"; {sum(1 for x in b if x.get('unheld') == 'true')} of them without holding the vCPU (`unheld=true`)"
+                 if any('unheld' in x for x in b) else "")
+              + ".")
         if bars:
             w("")
     if kvm:
