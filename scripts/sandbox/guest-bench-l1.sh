@@ -49,9 +49,14 @@ prepare() {
 }
 
 # boot VARIANT JOBS FILE [VMM_LOG_FLAG]: one VM run, its output in
-# /tmp/run.log.
+# /tmp/run.log. While it runs, `GB-ALIVE` every 20 s on the console: a
+# console silent for longer is a frozen L1 (guest-bench.sh's stall watcher),
+# not a slow boot. Only while a VM runs, so that it never lands inside
+# the base64 blocks printed after it.
 boot() {
     v=$1 jobs=$2 file=$3 vflag=${4:-}
+    (while sleep 20; do echo "GB-ALIVE"; done) &
+    alive=$!
     cmd="console=ttyS0 panic=-1 quiet gb.jobs=$(echo "$jobs" | tr ' ' ',') gb.sizes=$SIZES"
     case $v in
         raw-dax | pcow-*)
@@ -71,16 +76,38 @@ boot() {
                 -device virtio-blk-pci,drive=d0 </dev/null >/tmp/run.log 2>&1
             ;;
     esac
+    brc=$?
+    kill "$alive" 2>/dev/null
+    wait "$alive" 2>/dev/null
+    return $brc
+}
+
+# The schedule: every boot (the warm-up, each round's variants, the
+# profiled boots) has an index; `GB-START i=K ...` before it. SKIP=K (from
+# guest-bench.sh, after L1 hung in an earlier attempt) skips the boots
+# before index K: they were done, or given up, in that attempt.
+sched=-1
+# next ROUND VARIANT: says whether the next boot of the schedule runs here.
+next() {
+    sched=$((sched + 1))
+    [ "$sched" -ge "${SKIP:-0}" ] || return 1
+    echo "GB-START i=$sched round=$1 variant=$2 at=$(awk -v a="$T0" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')s"
+    # guest-bench.sh's GB_TEST_FREEZE: a frozen L1, as seen from outside.
+    if [ "${FREEZE_AT:-}" = "$sched" ]; then
+        while :; do sleep 3600; done
+    fi
 }
 
 # one ROUND VARIANT JOBS: prepare, boot, report.
 nfail=0
 one() {
     r=$1 v=$2 jobs=$3
+    next "$r" "$v" || return 0
     t=$(up)
     if ! file=$(prepare "$v"); then
         echo "GB-BOOT round=$r variant=$v rc=-1 guest=FAIL wall=0 (preparing the image failed)"
         nfail=$((nfail + 1))
+        echo "GB-DONE i=$sched"
         return
     fi
     boot "$v" "$jobs" "$file"
@@ -95,6 +122,7 @@ one() {
         nfail=$((nfail + 1))
         tail -n 25 /tmp/run.txt | sed 's/^/  L2| /'
     fi
+    echo "GB-DONE i=$sched"
 }
 
 # rotate N WORDS...: the words, starting with the (N mod count)-th.
@@ -134,18 +162,71 @@ done
 # GB-JOB-BEGIN..GB-JOB-END it falls in (the VMM writes the serial output
 # and its log from one process, in order), and summed here, so that one
 # line per job crosses the serial console.
+# PROFILE_LOG=1 (GB_PROFILE_LOG): raw-DAX boots once more too, and each
+# profiled boot's whole output (the guest's serial and the VMM's log, in
+# the order written) crosses the console gzipped and base64-encoded between
+# GB-PROF-LOG-BEGIN and GB-PROF-LOG-END, for guest-bench-breakdown.py.
+# kvm_stats: L1's KVM's global counters (debugfs), NAME=VALUE per line,
+# read by one process (a fork per file costs milliseconds here).
+kvm_stats() {
+    [ -d /sys/kernel/debug/kvm ] || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
+    grep -H . /sys/kernel/debug/kvm/* 2>/dev/null | sed 's|.*/||; s/:/=/'
+}
 if [ "${PROFILE:-1}" = 1 ]; then
-    for v in pcow-snap pcow-ovl; do
+    pvars="pcow-snap pcow-ovl"
+    [ "${PROFILE_LOG:-0}" = 1 ] && pvars="$pvars raw-dax"
+    for v in $pvars; do
         case " $VARIANTS " in *" $v "*) ;; *) continue ;; esac
-        file=$(prepare "$v") || { nfail=$((nfail + 1)); continue; }
+        next prof "$v" || continue
+        file=$(prepare "$v") || {
+            nfail=$((nfail + 1))
+            echo "GB-DONE i=$sched"
+            continue
+        }
+        # PROFILE_LOG: L1's KVM counters at each job's start and end (they
+        # sum over live VMs only, so they are read while the VM runs: when
+        # the guest's GB-JOB-BEGIN/END appears in its output, polled every
+        # 0.3 s), added to the boot's output as GB-KVM-SNAP lines.
+        if [ "${PROFILE_LOG:-0}" = 1 ]; then
+            rm -f /tmp/kvmjobs.txt
+            (
+                n=0
+                while :; do
+                    c=$(grep -c '^GB-JOB-' /tmp/run.log 2>/dev/null)
+                    if [ "${c:-0}" != "$n" ]; then
+                        n=$c
+                        m=$(grep '^GB-JOB-' /tmp/run.log | tail -n1 | tr -d '\r')
+                        kvm_stats | tr '\n' ' ' | sed "s/^/GB-KVM-SNAP $m at=$(up) /"
+                        echo
+                    fi
+                    sleep 0.3
+                done
+            ) >/tmp/kvmjobs.txt 2>/dev/null &
+            sampler=$!
+        fi
         t=$(up)
         boot "$v" "$JOBS" "$file" -vv
         rc=$?
+        if [ "${PROFILE_LOG:-0}" = 1 ]; then
+            kill "$sampler" 2>/dev/null
+            wait "$sampler" 2>/dev/null
+        fi
         wall=$(awk -v a="$t" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')
         tr -d '\r' </tmp/run.log >/tmp/run.txt
         g=FAIL
         grep -q 'L2-RESULT rc=0' /tmp/run.txt && g=ok
         [ $g = ok ] && [ $rc -eq 0 ] || nfail=$((nfail + 1))
+        if [ "${PROFILE_LOG:-0}" = 1 ]; then
+            cat /tmp/kvmjobs.txt >>/tmp/run.txt 2>/dev/null
+            echo "GB-PROF-LOG-BEGIN variant=$v rc=$rc guest=$g wall=$wall"
+            gzip -9 -c /tmp/run.txt | base64
+            echo "GB-PROF-LOG-END"
+        fi
+        # raw-DAX has no barriers: its log is the only output wanted.
+        if [ "$v" = raw-dax ]; then
+            echo "GB-DONE i=$sched"
+            continue
+        fi
         echo "GB-PROF-BOOT variant=$v rc=$rc guest=$g wall=$wall"
         awk -v v="$v" '
             function flush_job() {
@@ -173,6 +254,7 @@ if [ "${PROFILE:-1}" = 1 ]; then
             END { printf "GB-PROF-FAULTS variant=%s faults=\"%s\"\n", v, f }' /tmp/run.txt
         sed -n '/^GB-FIO-BEGIN/,/^GB-FIO-END/p' /tmp/run.txt | sed 's/^GB-FIO-BEGIN/GB-PROF-FIO-BEGIN/; s/^GB-FIO-END/GB-PROF-FIO-END/'
         if [ $g != ok ]; then tail -n 25 /tmp/run.txt | sed 's/^/  L2| /'; fi
+        echo "GB-DONE i=$sched"
     done
 fi
 echo "GB-L1 done: $nfail failed run(s), $(awk -v a="$T0" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')s"

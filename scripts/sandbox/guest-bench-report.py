@@ -635,11 +635,36 @@ plot for [i=2:{len(variants) + 1}] {json.dumps(dat)} using i:xtic(1) title colum
             if len(v) >= 3:
                 w(f"| {v[0]} | `{v[1]}` | {v[2]} |")
         w("")
+    # The breakdown section (guest-bench-breakdown.py's tables and their
+    # reading, measured with a timing probe in a run of its own) is kept
+    # across regenerations, before "## Runs": it names its own run.
+    kept = kept_breakdown(a.doc)
+    if kept:
+        i = d.index("## Runs")
+        d[i:i] = kept.rstrip("\n").split("\n") + [""]
     os.makedirs(os.path.dirname(os.path.abspath(a.doc)), exist_ok=True)
     with open(a.doc, "w") as f:
         f.write("\n".join(d))
     print(f"guest-bench-report: wrote {a.doc}" + (f" and {a.plot}" if plot_ok else ""))
     return 1 if problems else 0
+
+
+BREAKDOWN_TITLE = "## Where pcow's time goes (timed FLUSHes and faults)"
+
+
+def kept_breakdown(path):
+    """The breakdown section of the document at PATH (up to the next
+    second-level heading), or None."""
+    try:
+        with open(path) as f:
+            doc = f.read()
+    except OSError:
+        return None
+    i = doc.find("\n" + BREAKDOWN_TITLE + "\n")
+    if i < 0:
+        return None
+    j = doc.find("\n## ", i + 1 + len(BREAKDOWN_TITLE))
+    return doc[i + 1 : j + 1] if j >= 0 else doc[i + 1 :]
 
 
 def prof_runtime(p):

@@ -38,6 +38,10 @@
 #   GB_MEM          the L2 guest's memory (default 512M: the initramfs with
 #                   fio and its libraries is about 45 MiB, unpacked twice)
 #   GB_PROFILE=0    skip the profiled pcow boots (VMM debug log) at the end
+#   GB_PROFILE_LOG=1  raw-dax is profiled too, and every profiled boot's
+#                   whole output (serial + VMM log) is kept in the serial
+#                   log for guest-bench-breakdown.py (see the doc's "Where
+#                   pcow's time goes")
 #   GB_WARMUP=0     skip the warm-up boot (raw-dax, randread; not counted)
 #   GB_DOC          output document (default docs/guest-benchmarks.md; `-`
 #                   writes none)
@@ -45,11 +49,16 @@
 #   GB_EST_BOOT_S   s, the estimate of one VM boot (all jobs) the L1 timeout
 #                   is made of (default: from the job sizes, see below)
 #   GB_TIMEOUT_FACTOR  margin on that estimate (default 2)
-#   GB_STALL_S      s without a byte on L1's serial console after which L1
-#                   counts as hung and is killed (default GB_RUN_TIMEOUT +
-#                   120: L1 prints after every boot, and kills a boot at
-#                   GB_RUN_TIMEOUT itself)
-#   SANDBOX_TIMEOUT overrides the L1 timeout computed from those
+#   SANDBOX_TIMEOUT overrides the L1 timeout computed from those (per
+#                   L1 attempt)
+#   GB_STALL_S      s without a byte on L1's console after which L1 counts
+#                   as frozen: its QEMU is killed and a new L1 carries on
+#                   from the boot that froze (default 180; L1 prints
+#                   GB-ALIVE every 20 s while a VM runs)
+#   GB_L1_ATTEMPTS  L1 boots at most (default 4)
+#   GB_TEST_FREEZE=K  test the restart: L1 goes silent (sleeps) when boot K
+#                   of the schedule starts, in the first GB_TEST_FREEZE_TIMES
+#                   (default 1) attempts
 #   GB_REPORT_ONLY=LOG  parse an earlier run's serial log again (no L1);
 #                   GB_NOTE: a paragraph for the document's Results section
 # Exit 0 when every run succeeded; non-zero when any run failed or the L1
@@ -75,6 +84,7 @@ MEM=${GB_MEM:-512M}
 RUN_TIMEOUT=${GB_RUN_TIMEOUT:-600}
 WARMUP=${GB_WARMUP:-1}
 PROFILE=${GB_PROFILE:-1}
+PROFILE_LOG=${GB_PROFILE_LOG:-0}
 case $ROUNDS in '' | *[!0-9]* | 0) die "GB_ROUNDS must be a positive integer, not '$ROUNDS'" ;; esac
 case $FS_MIB in '' | *[!0-9]* | 0) die "GB_FS_MIB must be a positive integer (MiB), not '$FS_MIB'" ;; esac
 case $RUN_TIMEOUT in '' | *[!0-9]* | 0) die "GB_RUN_TIMEOUT must be a positive integer (s), not '$RUN_TIMEOUT'" ;; esac
@@ -112,13 +122,13 @@ need=$(((SIZE[randread] + $(printf '%s\n' "${SIZE[randwrite]}" "${SIZE[fsync]}" 
 
 report() { # LOG L1_SECONDS
     python3 "$SANDBOX_SCRIPTS/guest-bench-report.py" --log "$1" --doc "$DOC" \
-        --plot "${DOC%.md}.svg" --l1-seconds "$2" --rounds "$ROUNDS" --jobs "$JOBS" \
+        --plot="${DOC%.md}.svg" --l1-seconds "$2" --rounds "$ROUNDS" --jobs "$JOBS" \
         --variants "$VARIANTS" --sizes "randwrite=${SIZE[randwrite]} randread=${SIZE[randread]} fsync=${SIZE[fsync]} seqwrite=${SIZE[seqwrite]}" \
         --fs-mib "$FS_MIB" --mem "$MEM" --manifest "$MANIFEST" --command "$CMDLINE" \
         --load "${LOAD:-}" --images "${IMAGES:-}" --note "${GB_NOTE:-}"
 }
 # The command as run, with the knobs that change what is measured.
-CMDLINE="$({ env | grep -E '^GB_(ROUNDS|JOBS|VARIANTS|SIZE_[A-Z]+|FS_MIB|MEM|PROFILE|WARMUP)=' || true; } | sort | sed "s/=\\(.*\\)/='\\1'/" | tr '\n' ' ')scripts/sandbox/guest-bench.sh"
+CMDLINE="$({ env | grep -E '^GB_(ROUNDS|JOBS|VARIANTS|SIZE_[A-Z]+|FS_MIB|MEM|PROFILE|PROFILE_LOG|WARMUP)=' || true; } | sort | sed "s/=\\(.*\\)/='\\1'/" | tr '\n' ' ')scripts/sandbox/guest-bench.sh"
 if [ -n "${GB_REPORT_ONLY:-}" ]; then
     [ -f "$GB_REPORT_ONLY" ] || die "GB_REPORT_ONLY=$GB_REPORT_ONLY: no such log"
     report "$GB_REPORT_ONLY" 0
@@ -262,6 +272,7 @@ rm -f "$W/gb.raw"
     echo "WARMUP=$WARMUP"
     echo "RUN_TIMEOUT=$RUN_TIMEOUT"
     echo "PROFILE=$PROFILE"
+    echo "PROFILE_LOG=$PROFILE_LOG"
 } >"$payload/gb.conf"
 cp "$SANDBOX_SCRIPTS/guest-bench-l1.sh" "$payload/run.sh"
 say "built in $(elapsed "$t_build")s: L2 initramfs $(du -m "$payload/l2/initramfs.cpio" | cut -f1) MiB (fio $fio_ver and its libraries: $fio_mib MiB); images: pcow ${pcow_info:-?}; qcow2 ${qcow2_info:-?}"
@@ -278,21 +289,27 @@ nvar=$(wc -w <<<"$VARIANTS")
 nboots=$((ROUNDS * nvar))
 [ "$WARMUP" = 1 ] && nboots=$((nboots + 1))
 [ "$PROFILE" = 1 ] && nboots=$((nboots + 2))
+[ "$PROFILE" = 1 ] && [ "$PROFILE_LOG" = 1 ] && nboots=$((nboots + 1))
 est=${GB_EST_BOOT_S:-$((45 + SIZE[randread] / 4096 / 110 + SIZE[randwrite] / 4096 / 80 + SIZE[fsync] / 4096 / 20 + SIZE[seqwrite] / 1048576 / 10))}
 factor=${GB_TIMEOUT_FACTOR:-2}
-l1_timeout=${SANDBOX_TIMEOUT:-$((90 + nboots * est * factor))}
 export SANDBOX_SMP=${SANDBOX_SMP:-1}
 mkdir -p "$CACHE/logs"
 log=$CACHE/logs/guest-bench-$(date +%Y%m%d-%H%M%S).log
-say "== run L1 ($nboots VM boots of about ${est}s, L1 vCPUs $SANDBOX_SMP, timeout ${l1_timeout}s), serial log: $log"
-t=$(now)
-# A hung L1 (seen once: its QEMU at 0% CPU, nothing on the console for
-# 11 minutes in the middle of a round, the in-L1 per-boot timeout never
-# firing) would otherwise sit until the whole-run timeout: the watcher
-# kills this script's own L1 QEMU (a descendant, found by parent pid) once
-# the serial log has not grown for GB_STALL_S.
-STALL_S=${GB_STALL_S:-$((RUN_TIMEOUT + 120))}
+: >"$log"
+# A frozen L1 (seen three times on 2026-11-26, each during a VM boot: L1's
+# QEMU at 0% CPU, nothing on the console, the in-L1 per-boot timeout never
+# firing, as nothing in L1 runs any more) would otherwise sit until the
+# whole-run timeout. While a VM boots, L1 prints `GB-ALIVE` every 20 s;
+# the watcher kills this script's own L1 QEMU (a descendant, found by
+# parent pid) once the attempt's serial log has not grown for GB_STALL_S.
+# A new L1 then carries on from the boot that hung (retried once; hung
+# again, it is recorded as failed and the next one runs): what was done
+# before the hang keeps its verdict, and the combined log has every
+# attempt's output in order, with a GB-HOST line per hang.
+STALL_S=${GB_STALL_S:-180}
 case $STALL_S in '' | *[!0-9]* | 0) die "GB_STALL_S must be a positive integer (s), not '$STALL_S'" ;; esac
+ATTEMPTS=${GB_L1_ATTEMPTS:-4}
+case $ATTEMPTS in '' | *[!0-9]* | 0) die "GB_L1_ATTEMPTS must be a positive integer, not '$ATTEMPTS'" ;; esac
 descendants() {
     local c
     for c in $(ps -o pid= --ppid "$1"); do
@@ -314,28 +331,96 @@ watch_stall() { # LOG STALL_S ROOT_PID FLAG_FILE
         fi
     done
 }
-rm -f "$W/stalled"
-watch_stall "$log" "$STALL_S" $$ "$W/stalled" &
-stall_pid=$!
+t=$(now)
 # The host's load while L1 runs (other jobs share the 2 cores): sampled
 # every 20 s, reported as its range.
 (while :; do cut -d' ' -f1 /proc/loadavg; sleep 20; done) >"$W/load.txt" &
 load_pid=$!
-set +e
-SANDBOX_QUIET=1 SANDBOX_LOG=$log SANDBOX_TIMEOUT=$l1_timeout \
-    "$SANDBOX_SCRIPTS/run-l1.sh" "$payload" | grep --line-buffered '^\[run-l1'
-rc=${PIPESTATUS[0]}
-set -e
-kill "$load_pid" "$stall_pid" 2>/dev/null || true
-wait "$load_pid" "$stall_pid" 2>/dev/null || true
+skip_to=0
+attempt=0
+freezes=0
+hangs=
+declare -A hung_before
+while :; do
+    attempt=$((attempt + 1))
+    left=$((nboots - skip_to))
+    [ "$left" -ge 1 ] || left=1
+    l1_timeout=${SANDBOX_TIMEOUT:-$((90 + left * est * factor))}
+    part=$log.$attempt
+    sed -i '/^SKIP=/d; /^FREEZE_AT=/d' "$payload/gb.conf"
+    echo "SKIP=$skip_to" >>"$payload/gb.conf"
+    if [ -n "${GB_TEST_FREEZE:-}" ] && [ "$attempt" -le "${GB_TEST_FREEZE_TIMES:-1}" ]; then
+        echo "FREEZE_AT=$GB_TEST_FREEZE" >>"$payload/gb.conf"
+    fi
+    say "== run L1, attempt $attempt ($left of $nboots VM boots left, about ${est}s each, L1 vCPUs $SANDBOX_SMP, timeout ${l1_timeout}s, stall ${STALL_S}s), serial log: $part"
+    rm -f "$W/stalled"
+    watch_stall "$part" "$STALL_S" $$ "$W/stalled" &
+    stall_pid=$!
+    set +e
+    SANDBOX_QUIET=1 SANDBOX_LOG=$part SANDBOX_TIMEOUT=$l1_timeout \
+        "$SANDBOX_SCRIPTS/run-l1.sh" "$payload" | grep --line-buffered '^\[run-l1'
+    rc=${PIPESTATUS[0]}
+    set -e
+    kill "$stall_pid" 2>/dev/null || true
+    wait "$stall_pid" 2>/dev/null || true
+    tr -d '\r' <"$part" >>"$log"
+    [ -f "$W/stalled" ] || break
+    freezes=$((freezes + 1))
+    # A block cut by the freeze is closed here, as failed, so that the
+    # next attempt's lines do not land in it.
+    if [ "$(grep -a -c '^GB-FIO-BEGIN' "$part")" -gt "$(grep -a -c '^GB-FIO-END' "$part")" ]; then
+        echo "GB-FIO-END rc=-2" >>"$log"
+    fi
+    # Which boot hung: the last one started and not done.
+    started=$(tr -d '\r' <"$part" | grep -a '^GB-START i=' | tail -n1 || true)
+    k=$(sed -n 's/^GB-START i=\([0-9]*\) .*/\1/p' <<<"$started")
+    if [ -z "$k" ]; then
+        hangs="${hangs:+$hangs; }attempt $attempt: L1 froze before its first boot"
+        next_skip=$skip_to
+    elif tr -d '\r' <"$part" | grep -a -q "^GB-DONE i=$k\$"; then
+        hangs="${hangs:+$hangs; }attempt $attempt: L1 froze between boots (after boot $k)"
+        next_skip=$((k + 1))
+    else
+        r=$(sed -n 's/.* round=\([^ ]*\) .*/\1/p' <<<"$started")
+        v=$(sed -n 's/.* variant=\([^ ]*\) .*/\1/p' <<<"$started")
+        if [ -z "${hung_before[$k]:-}" ]; then
+            hung_before[$k]=1
+            action=retried
+            next_skip=$k
+        else
+            action="given up (hung twice)"
+            next_skip=$((k + 1))
+            # The boot's verdict: failed (the report names it).
+            if [ "$r" = prof ]; then
+                echo "GB-PROF-BOOT variant=$v rc=-2 guest=HUNG wall=0" >>"$log"
+            else
+                echo "GB-BOOT round=$r variant=$v rc=-2 guest=HUNG wall=0" >>"$log"
+            fi
+        fi
+        hangs="${hangs:+$hangs; }attempt $attempt: L1 froze during the boot of $v (round $r), $action"
+    fi
+    echo "GB-HOST l1-hung attempt=$attempt stalled_s=$(cat "$W/stalled") boot=${k:-none} next=$next_skip" >>"$log"
+    say "L1 froze (nothing on its console for $(cat "$W/stalled")s; its QEMU was killed): ${hangs##*; }"
+    if [ "$attempt" -ge "$ATTEMPTS" ]; then
+        say "giving up after $attempt L1 attempts (GB_L1_ATTEMPTS)"
+        break
+    fi
+    skip_to=$next_skip
+done
+kill "$load_pid" 2>/dev/null || true
+wait "$load_pid" 2>/dev/null || true
 LOAD=$(sort -n "$W/load.txt" | awk 'NR == 1 { lo = $1 } { hi = $1; n++ } END { if (n) printf "%s-%s (%d samples, every 20 s)", lo, hi, n }')
 t_l1=$(elapsed "$t")
-tr -d '\r' <"$log" | grep -a -E '^(GB-BOOT|GB-PROF|GB-L1|GB-FIO-END|  L2\| )' | grep -v -a 'GB-PROF-FIO' | sed 's/^/  /' || true
+if [ -n "$hangs" ]; then
+    GB_NOTE="${GB_NOTE:+$GB_NOTE }L1 froze $freezes time(s) in this run and was restarted by guest-bench.sh, carrying on from the boot that hung: $hangs (the L1 time includes the ${STALL_S}-s waits before each restart)."
+    [ -f "$W/stalled" ] && GB_NOTE="$GB_NOTE The last attempt froze too and the run stopped there."
+fi
+tr -d '\r' <"$log" | grep -a -E '^(GB-BOOT|GB-PROF|GB-L1|GB-HOST|GB-FIO-END|  L2\| )' | grep -v -a -E 'GB-PROF-(FIO|LOG)' | sed 's/^/  /' || true
 set +e
 report "$log" "$t_l1"
 prc=$?
 set -e
 say "L1 run ${t_l1}s (rc $rc), total $(elapsed "$t_all")s; serial log: $log"
-[ ! -f "$W/stalled" ] || die "L1 hung: nothing on its serial console for $(cat "$W/stalled")s, its QEMU was killed (log $log)"
+[ ! -f "$W/stalled" ] || die "L1 froze in its last attempt ($attempt of GB_L1_ATTEMPTS=$ATTEMPTS; log $log)"
 [ "$rc" -eq 0 ] || die "the L1 run failed (run-l1.sh exit $rc$([ "$rc" -eq 124 ] && echo ": timeout after ${l1_timeout}s"); log $log)"
 [ "$prc" -eq 0 ] || die "the report failed (exit $prc; log $log)"

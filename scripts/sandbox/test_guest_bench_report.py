@@ -49,13 +49,19 @@ def boot(rnd, variant, values, rc=0, guest="ok", **kw):
     return lines
 
 
-def run_report(lines, variants=("pcow-snap", "raw-dax"), rounds=2, ended=True):
+def run_report(lines, variants=("pcow-snap", "raw-dax"), rounds=2, ended=True, doc=None):
+    """Runs the report on LINES; with DOC (a file's text), the document is
+    that file rewritten, and the output ends with what was written."""
     with tempfile.TemporaryDirectory() as td:
         log = os.path.join(td, "serial.log")
         with open(log, "w") as f:
             # The serial console adds carriage returns; keep them.
             end = ["GB-L1 done: 0 failed run(s), 1.0s"] if ended else []
             f.write("\r\n".join(lines + end) + "\r\n")
+        doc_path = os.path.join(td, "doc.md")
+        if doc is not None:
+            with open(doc_path, "w") as f:
+                f.write(doc)
         manifest = os.path.join(td, "packages.txt")
         with open(manifest, "w") as f:
             f.write("l2-kernel linux-image-x 1\n")
@@ -64,7 +70,7 @@ def run_report(lines, variants=("pcow-snap", "raw-dax"), rounds=2, ended=True):
                 sys.executable,
                 REPORT,
                 "--log", log,
-                "--doc", "-",
+                "--doc", doc_path if doc is not None else "-",
                 "--plot", os.path.join(td, "p.svg"),
                 "--rounds", str(rounds),
                 "--jobs", " ".join(JOBS),
@@ -79,7 +85,11 @@ def run_report(lines, variants=("pcow-snap", "raw-dax"), rounds=2, ended=True):
             text=True,
             timeout=60,
         )
-        return p.returncode, p.stdout + p.stderr
+        out = p.stdout + p.stderr
+        if doc is not None and os.path.exists(doc_path):
+            with open(doc_path) as f:
+                out += "\n=== DOC ===\n" + f.read()
+        return p.returncode, out
 
 
 def row(out, job_title_word, variant):
@@ -141,6 +151,39 @@ class Report(unittest.TestCase):
             rc, out = run_report(lines)
             self.assertEqual(rc, 1, out)
             self.assertIn(expect, out)
+
+    def test_breakdown_section_is_kept_across_regenerations(self):
+        lines = boot(1, "raw-dax", {"randread": 1000, "fsync": 50})
+        lines += boot(1, "pcow-snap", {"randread": 900, "fsync": 40})
+        section = "## Where pcow's time goes (timed FLUSHes and faults)\n\nmeasured by hand: 42 us\n"
+        old = "# old\n\n## Results\n\nold numbers\n\n" + section + "\n## Runs\n\nold runs\n"
+        rc, out = run_report(lines, rounds=1, doc=old)
+        self.assertEqual(rc, 0, out)
+        doc = out.split("=== DOC ===\n", 1)[1]
+        self.assertNotIn("old numbers", doc)
+        self.assertEqual(doc.count("measured by hand: 42 us"), 1)
+        self.assertLess(doc.index("measured by hand"), doc.index("## Runs"))
+        # without the section in the old document there is none
+        rc, out = run_report(lines, rounds=1, doc="# old\n\n## Runs\n")
+        self.assertNotIn("timed FLUSHes", out.split("=== DOC ===\n", 1)[1])
+
+    def test_l1_restart_lines_and_a_hung_boot(self):
+        # guest-bench.sh after L1 froze: the frozen boot retried in a new
+        # L1 (its GB-START lines twice, a GB-HOST line) counts once ...
+        lines = ["GB-START i=0 round=1 variant=raw-dax at=1.0s"] + boot(1, "raw-dax", {"randread": 1000, "fsync": 50})
+        lines += ["GB-DONE i=0", "GB-START i=1 round=1 variant=pcow-snap at=9.0s", "GB-ALIVE",
+                  "GB-HOST l1-hung attempt=1 stalled_s=180 boot=1 next=1",
+                  "GB-START i=1 round=1 variant=pcow-snap at=5.0s"]
+        lines += boot(1, "pcow-snap", {"randread": 900, "fsync": 40}) + ["GB-DONE i=1"]
+        rc, out = run_report(lines, rounds=1)
+        self.assertEqual(rc, 0, out)
+        self.assertEqual(row(out, "random read", "pcow-snap")[1], "900")
+        # ... and one that froze twice is a failed boot
+        lines = boot(1, "raw-dax", {"randread": 1000, "fsync": 50})
+        lines += ["GB-BOOT round=1 variant=pcow-snap rc=-2 guest=HUNG wall=0"]
+        rc, out = run_report(lines, rounds=1)
+        self.assertEqual(rc, 1, out)
+        self.assertIn("no good run of randread on pcow-snap", out)
 
     def test_unfinished_l1_run_fails(self):
         lines = boot(1, "raw-dax", {"randread": 1000, "fsync": 50})
