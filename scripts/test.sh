@@ -77,6 +77,11 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo test --workspace --no-fail-fast (every test binary runs; any failure fails)"
 cargo test --workspace --no-fail-fast
 
+# The parsers of the guest benchmark's logs (scripts/sandbox/guest-bench*):
+# the benchmark itself is not a test, its report and breakdown are.
+step "python3 unittest: scripts/sandbox/test_*.py"
+python3 -m unittest discover -s scripts/sandbox -p 'test_*.py'
+
 # The REST API against its description, docs/openapi.yaml: schemathesis
 # (from PyPI, into .cache/api-fuzz/) generates requests from it for a VMM
 # with no VM, a created VM and a running one (scripts/api-fuzz.sh): any 5xx
