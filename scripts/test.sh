@@ -65,6 +65,13 @@ if [ -x /usr/bin/dpkg ] && ! command -v iasl >/dev/null 2>&1; then
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y acpica-tools
 fi
+if [ -x /usr/bin/dpkg ] && ! command -v gnuplot >/dev/null 2>&1; then
+    # The guest benchmark's report draws its plot with gnuplot (its tests
+    # run the report: scripts/sandbox/test_guest_bench_report.py).
+    step "gnuplot missing: installing gnuplot-nox"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y gnuplot-nox
+fi
 echo "cargo:    $(cargo --version)"
 echo "qemu-img: $(qemu-img --version | head -n1)"
 
