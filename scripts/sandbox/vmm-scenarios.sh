@@ -463,17 +463,24 @@ EOF
         running=$((running + 1))
     done
     wait || true
-    for g in $order; do
-        gs=$(group_of $g)
+    # record_run G SCENARIOS...: the L1 run of group G (its log, exit
+    # status, timeout and wall time) is where these scenarios' verdicts are.
+    record_run() {
+        local g=$1 k rc wall tmo log
+        shift
         # A group whose runner died without a word counts as a failed run.
         read -r rc wall tmo log <"$W/ran-$g" 2>/dev/null \
             || { rc=1 wall=- tmo=- log=$CACHE/logs/vmm-scenarios-$stamp-$g.log; }
-        for k in $gs; do
+        for k in "$@"; do
             LOGOF[$k]=$log
             RCOF[$k]=$rc
             TOOF[$k]=$tmo
             WALLOF[$k]=$wall
         done
+    }
+    for g in $order; do
+        # shellcheck disable=SC2046
+        record_run "$g" $(group_of $g)
     done
     # A group cut by its timeout gets one more L1 run for the scenarios
     # that have no verdict yet (VMMSC_RETRY=0: none). L1 itself sometimes
@@ -505,14 +512,8 @@ EOF
             GROUP_RETRY_SCENARIOS=$missing
             say "== group $g was cut at ${TOOF[$k1]}s: scenarios $missing again in a new L1"
             run_group "$gr"
-            read -r rc wall tmo log <"$W/ran-$gr" 2>/dev/null \
-                || { rc=1 wall=- tmo=- log=$CACHE/logs/vmm-scenarios-$stamp-$gr.log; }
-            for k in $missing; do
-                LOGOF[$k]=$log
-                RCOF[$k]=$rc
-                TOOF[$k]=$tmo
-                WALLOF[$k]=$wall
-            done
+            # shellcheck disable=SC2086
+            record_run "$gr" $missing
             RETRIED="$RETRIED $missing"
         done
     fi
