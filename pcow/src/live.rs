@@ -45,6 +45,15 @@ impl Image {
             .filter(|_| self.access.writable)
     }
 
+    /// See [`LiveImage::pool_available`].
+    pub(crate) fn pool_available(&self) -> u64 {
+        if self.access.writable {
+            self.alloc.available(self.g)
+        } else {
+            0
+        }
+    }
+
     /// See [`LiveImage::pool_reserved`].
     pub(crate) fn pool_reserved(&mut self, offset: u64, len: u64) -> bool {
         self.alloc.reserved(self.g, offset, len)
@@ -285,6 +294,12 @@ impl LiveImage {
     /// size again, or `None` when it does.
     pub fn pool_shortfall(&self) -> Option<(u64, u64)> {
         self.image.pool_shortfall()
+    }
+
+    /// Clusters the pool holds now: allocations up to this many (fewer
+    /// when one starts a metadata segment) do not grow the file.
+    pub fn pool_available(&self) -> u64 {
+        self.image.pool_available()
     }
 
     /// Records that a worker reserved `[offset, offset + len)` of the image

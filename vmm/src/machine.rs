@@ -346,6 +346,7 @@ impl Pmem {
             c.push(("bytes_written", copied * COW_PAGE));
             if let Some(f) = self.monitor.as_ref().and_then(|m| m.counters().ok()) {
                 c.push(("expansions", f.write_faults));
+                c.push(("clusters_ahead", f.clusters_ahead));
                 c.push(("zero_maps", f.read_faults));
             }
         }
@@ -1053,11 +1054,12 @@ impl Machine {
                     // mapped at the end.
                     if let Some(Ok(st)) = p.pcow().map(PcowRegion::status) {
                         log::info!(
-                            "pmem {}: faults: {} write, {} read, {} woken only; clusters: {} shared, {} private, {} zero-mapped, {} holes",
+                            "pmem {}: faults: {} write, {} read, {} woken only, {} clusters mapped ahead; clusters: {} shared, {} private, {} zero-mapped, {} holes",
                             p.id,
                             st.faults.write_faults,
                             st.faults.read_faults,
                             st.faults.wake_only,
+                            st.faults.clusters_ahead,
                             st.shared,
                             st.private,
                             st.zero_mapped,

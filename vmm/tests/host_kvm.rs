@@ -385,7 +385,12 @@ fn guest_writes_pcow_pmem_across_holes_and_snapshots() {
     let mut model = read_image(&path);
 
     let ctl = VcpuControl::new().unwrap();
-    let (region, monitor) = PcowRegion::open(&path, ctl.clone(), &RegionOptions::default())
+    // One fault per hole written (no expansion window): the counts below.
+    let opts = RegionOptions {
+        expand_window: Some(0),
+        ..RegionOptions::default()
+    };
+    let (region, monitor) = PcowRegion::open(&path, ctl.clone(), &opts)
         .unwrap_or_else(|e| panic!("open region: {}", chain(&e)));
     let monitor = Arc::new(monitor);
     let mon_thread = MonitorThread::spawn(monitor.clone());

@@ -101,6 +101,17 @@ pub struct RegionOptions {
     /// nobody wrote back into a hole; a later read faults it in again.
     /// `None` is [`DEFAULT_ZERO_BUDGET`].
     pub zero_budget: Option<u64>,
+    /// Bytes of the aligned window a write fault in a hole may fill
+    /// (rounded down to whole clusters; a cluster or less, e.g. 0, turns
+    /// it off). Once the guest has written into one cluster of a window,
+    /// its next write fault there maps every hole of the window with its
+    /// own cluster, in one mapping of consecutive clusters of the file:
+    /// a sequential or clustered writer takes two faults per window
+    /// instead of one per cluster. The image grows by the window's holes
+    /// (zeros until written); a window the guest wrote once stays as thin
+    /// as before, as do clusters shared with a snapshot or the base and
+    /// holes the guest only read. `None` is [`DEFAULT_EXPAND_WINDOW`].
+    pub expand_window: Option<u64>,
     /// Runs first on each thread the region spawns (its monitor's, its
     /// pool worker), see [`crate::ThreadHook`]; `None` runs nothing.
     pub thread_hook: Option<crate::ThreadHook>,
@@ -110,6 +121,13 @@ pub struct RegionOptions {
 /// 2.5 ms of every barrier's scan without write tracking (0.1-0.2 ms with
 /// it), and 512 KiB of page tables.
 pub const DEFAULT_ZERO_BUDGET: u64 = 256 << 20;
+
+/// The default of [`RegionOptions::expand_window`]: 2 MiB, a huge page
+/// (32 clusters of 64 KiB; no window at 2 MiB clusters). A guest's file
+/// systems allocate in extents, so the rest of a window it wrote twice
+/// into is likely next (Linux's transparent huge pages, when always on,
+/// fill 2 MiB on a first touch; this waits for the second).
+pub const DEFAULT_EXPAND_WINDOW: u64 = 2 << 20;
 
 /// Most clusters a region maps: the device keeps a byte of state per
 /// cluster of the view ([`Clusters`]) and plans every one at open, so this
@@ -266,5 +284,6 @@ pub(crate) fn build(
             planned_vmas,
             ..Counters::default()
         },
+        expand_window: (opts.expand_window.unwrap_or(DEFAULT_EXPAND_WINDOW) / cs).max(1),
     })
 }

@@ -58,6 +58,18 @@ pub(crate) struct FileRun {
     pub(crate) cs: u64,
 }
 
+impl FileRun {
+    /// Cluster `vcn` alone, stored at `offset`.
+    pub(crate) fn one(vcn: u64, offset: u64, cs: u64) -> FileRun {
+        FileRun {
+            vcn,
+            end: vcn + 1,
+            offset,
+            cs,
+        }
+    }
+}
+
 impl Adjoin for FileRun {
     fn adjoin(&mut self, next: &FileRun) -> bool {
         let follows = self.end == next.vcn
@@ -118,6 +130,11 @@ impl Clusters {
             self.1[slot(state)] += 1;
             *c = state;
         }
+    }
+
+    /// Clusters in the region.
+    pub(crate) fn len(&self) -> u64 {
+        self.0.len() as u64
     }
 
     /// Clusters in `state`.

@@ -9,6 +9,10 @@
 //!   the cluster, then `UFFDIO_WAKE`: the waiter retries on the file page.
 //!   Nothing is lost by the remap: a hole cluster has no present page (any
 //!   access to it faults and waits for us), so the mapping replaced is empty.
+//!   When the guest already wrote into the cluster's expansion window
+//!   ([`crate::RegionOptions::expand_window`]), the window's other holes
+//!   get theirs in the same mapping: the faults they would have cost are
+//!   the guest's largest cost of filling new space.
 //! - a read fault in a hole gets `UFFDIO_ZEROPAGE` over the whole cluster:
 //!   nothing is allocated. Later writes there land in private anonymous
 //!   pages without a fault; the barrier moves them into the image (and,
@@ -27,7 +31,7 @@ use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::clusters::ClusterState;
+use crate::clusters::{push_run, ClusterState, FileRun};
 use crate::fault_poll::FaultPoll;
 use crate::health::{is_out_of_space, Failure};
 use crate::state::{top_fd, FaultCounters, NoImage, RegionState, Shared, Writable};
@@ -287,8 +291,9 @@ fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolve
     match st.view.clusters.get(vcn) {
         ClusterState::Hole if write => {
             match map_fresh(st, vcn) {
-                Ok(grew) => {
+                Ok(Fresh { grew, ahead }) => {
                     st.counters.faults.write_faults += 1;
+                    st.counters.faults.clusters_ahead += ahead;
                     st.view.uffd.wake(start, cs)?;
                     if grew {
                         st.pool.note_inline();
@@ -334,9 +339,57 @@ fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolve
     }
 }
 
-/// Allocates the active cluster for hole `vcn` and maps it shared; returns
-/// whether the allocation grew the file itself (the pool was empty).
-fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<bool, NoCluster> {
+/// What a write fault's mapping did.
+#[derive(Debug, Clone, Copy)]
+struct Fresh {
+    /// The allocation grew the file itself (the pool was empty).
+    grew: bool,
+    /// Hole clusters of the window mapped besides the faulting one.
+    ahead: u64,
+}
+
+/// The hole clusters a write fault at hole `vcn` fills, ascending: `vcn`
+/// alone, or every hole of its expansion window once the guest has
+/// written into that window (a cluster of it is the active layer's,
+/// mapped shared). Zero-mapped and private clusters are never taken: they
+/// may hold pages the guest wrote, which a remap would drop.
+fn fill_targets(st: &RegionState, vcn: u64) -> Vec<u64> {
+    let w = st.expand_window;
+    if w <= 1 {
+        return vec![vcn];
+    }
+    let first = vcn - vcn % w;
+    let end = first.saturating_add(w).min(st.view.clusters.len());
+    let clusters = &st.view.clusters;
+    if !(first..end).any(|c| clusters.get(c) == ClusterState::Shared) {
+        return vec![vcn];
+    }
+    (first..end)
+        .filter(|&c| clusters.get(c) == ClusterState::Hole)
+        .collect()
+}
+
+/// At most `room` of `targets` (ascending, holding `vcn`), `vcn` always
+/// among them: those after it first (writers tend to go forward), then
+/// those before.
+fn within_pool(targets: &[u64], vcn: u64, room: u64) -> Vec<u64> {
+    let room = usize::try_from(room).unwrap_or(usize::MAX).max(1);
+    if targets.len() <= room {
+        return targets.to_vec();
+    }
+    let at = targets.iter().position(|&t| t == vcn).unwrap_or(0);
+    let end = (at + room).min(targets.len());
+    targets[end - room..end].to_vec()
+}
+
+/// Allocates the active cluster for hole `vcn`, and for the other holes of
+/// its window when [`fill_targets`] says so, and maps them shared (one
+/// mapping per run of consecutive clusters of the file, which allocation
+/// in ascending order makes one run in the common case). The neighbours
+/// are best effort: one that cannot be allocated or mapped stays a hole,
+/// and the fault fails only for `vcn`'s own cluster.
+fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<Fresh, NoCluster> {
+    let targets = fill_targets(st, vcn);
     let image = match &mut st.image {
         Writable::Open(i) => i,
         Writable::Switching => {
@@ -356,16 +409,70 @@ fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<bool, NoCluster> {
     // The pool's shortfall starts at the file's end: an allocation that
     // moves it (or fills the pool whole) grew the file itself.
     let end_before = image.pool_shortfall().map(|(at, _)| at);
-    let ac = image
-        .active_cluster(vcn)
-        .map_err(|source| NoCluster::Image { vcn, source })?;
-    let grew = end_before.is_some() && image.pool_shortfall().map(|(at, _)| at) != end_before;
-    if !ac.whole {
-        return Err(NoCluster::Partial { vcn });
+    // Neighbours take only what the pool holds (one cluster kept for a
+    // new metadata segment): growing the file for clusters nobody wrote
+    // yet would put the slow path of a dry pool into this fault.
+    let targets = within_pool(&targets, vcn, image.pool_available().saturating_sub(1));
+    let cs = st.view.cs;
+    let mut runs: Vec<FileRun> = Vec::new();
+    let mut has_vcn = false;
+    for &t in &targets {
+        match image.active_cluster(t) {
+            Ok(ac) if ac.whole => {
+                push_run(&mut runs, FileRun::one(t, ac.file_offset, cs));
+                has_vcn |= t == vcn;
+            }
+            Ok(_) if t == vcn => return Err(NoCluster::Partial { vcn }),
+            Err(source) if t == vcn => return Err(NoCluster::Image { vcn, source }),
+            Ok(_) => break,
+            Err(e) => {
+                log::debug!("cluster {t}: not allocated ahead of cluster {vcn}: {e}");
+                break;
+            }
+        }
     }
+    if !has_vcn {
+        // A neighbour before `vcn` could not be allocated: the fault still
+        // needs its own cluster.
+        let ac = image
+            .active_cluster(vcn)
+            .map_err(|source| NoCluster::Image { vcn, source })?;
+        if !ac.whole {
+            return Err(NoCluster::Partial { vcn });
+        }
+        push_run(&mut runs, FileRun::one(vcn, ac.file_offset, cs));
+    }
+    let grew = end_before.is_some() && image.pool_shortfall().map(|(at, _)| at) != end_before;
     let fd = top_fd(image).map_err(|source| NoCluster::Map { vcn, source })?;
-    st.view
-        .map_clusters(vcn, vcn + 1, fd, ac.file_offset, true)
-        .map_err(|source| NoCluster::Map { vcn, source })?;
-    Ok(grew)
+    let mut ahead = 0;
+    for r in runs {
+        let holds_vcn = (r.vcn..r.end).contains(&vcn);
+        match st.view.map_clusters(r.vcn, r.end, fd, r.offset, true) {
+            Ok(()) => ahead += r.end - r.vcn - u64::from(holds_vcn),
+            Err(source) if holds_vcn => return Err(NoCluster::Map { vcn, source }),
+            // Allocated but still a hole: its own fault maps it later.
+            Err(e) => log::debug!(
+                "clusters {}..{}: not mapped ahead of cluster {vcn}: {e}",
+                r.vcn,
+                r.end
+            ),
+        }
+    }
+    Ok(Fresh { grew, ahead })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::within_pool;
+
+    #[test]
+    fn a_short_pool_keeps_the_faulting_cluster_and_what_follows_it() {
+        let t: Vec<u64> = (10..20).collect();
+        assert_eq!(within_pool(&t, 12, 100), t);
+        assert_eq!(within_pool(&t, 12, 3), vec![12, 13, 14]);
+        // Near the window's end the rest comes from before the fault.
+        assert_eq!(within_pool(&t, 18, 4), vec![16, 17, 18, 19]);
+        // An empty pool still allocates the faulting cluster.
+        assert_eq!(within_pool(&t, 15, 0), vec![15]);
+    }
 }

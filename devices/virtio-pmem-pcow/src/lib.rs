@@ -103,7 +103,9 @@ mod view;
 pub mod write_log;
 
 pub use barrier::{BarrierError, BarrierStats};
-pub use build::{RegionError, RegionOptions, DEFAULT_ZERO_BUDGET, MAX_REGION_CLUSTERS};
+pub use build::{
+    RegionError, RegionOptions, DEFAULT_EXPAND_WINDOW, DEFAULT_ZERO_BUDGET, MAX_REGION_CLUSTERS,
+};
 pub use device::{
     DeviceError, FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE,
     QUEUE_SIZE,

@@ -53,6 +53,10 @@ pub struct FaultCounters {
     /// Faults the monitor read while it polled after an earlier one, so
     /// without being woken (see [`crate::fault_poll`]).
     pub polled: u64,
+    /// Hole clusters mapped by a write fault in a neighbouring cluster of
+    /// their expansion window (see [`crate::RegionOptions::expand_window`]):
+    /// faults the guest did not take.
+    pub clusters_ahead: u64,
 }
 
 /// Counters the status reports.
@@ -81,6 +85,9 @@ pub(crate) struct RegionState {
     /// system is full (ENOSPC, EDQUOT); cleared by a barrier that succeeds.
     pub(crate) out_of_space: Option<Failure>,
     pub(crate) counters: Counters,
+    /// Clusters per expansion window (1: every write fault maps its own
+    /// cluster only), see [`crate::RegionOptions::expand_window`].
+    pub(crate) expand_window: u64,
 }
 
 impl Drop for RegionState {

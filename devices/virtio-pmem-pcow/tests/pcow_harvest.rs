@@ -620,7 +620,7 @@ fn zero_budget_case(fallback: bool) {
     let opts = RegionOptions {
         zero_budget: Some(8 * K64),
         pagemap_read_fallback: fallback,
-        ..RegionOptions::default()
+        ..one_cluster_per_fault()
     };
     let (region, monitor) = PcowRegion::open(&path, gate.clone(), &opts).unwrap();
     let rig = Rig {

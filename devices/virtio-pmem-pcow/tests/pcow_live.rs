@@ -59,7 +59,8 @@ struct Rig {
 
 impl Rig {
     fn open(path: &Path) -> Rig {
-        Self::open_with(path, &RegionOptions::default(), &PoolOptions::default())
+        // The pool's tests count one allocation per fault.
+        Self::open_with(path, &one_cluster_per_fault(), &PoolOptions::default())
     }
 
     fn open_with(path: &Path, opts: &RegionOptions, pool: &PoolOptions) -> Rig {
@@ -572,7 +573,7 @@ fn the_monitor_reads_a_bursts_faults_while_it_polls() {
         create(&path, N * K64, K64, None).close().unwrap();
         let opts = RegionOptions {
             fault_poll: Some(window),
-            ..RegionOptions::default()
+            ..one_cluster_per_fault()
         };
         let rig = Rig::open_with(&path, &opts, &PoolOptions::default());
         wait_pool_full(&rig);

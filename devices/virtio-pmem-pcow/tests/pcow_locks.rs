@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use pcow::io::{CommitIo, FileStorage, Storage};
 use pcow::{Image, OpenOptions};
-use virtio_pmem_pcow::{PcowRegion, RegionOptions, WriteGate};
+use virtio_pmem_pcow::{PcowRegion, WriteGate};
 
 /// How long a slowed sync takes.
 const SLOW_SYNC: Duration = Duration::from_millis(500);
@@ -150,7 +150,7 @@ fn slow_rig(path: &Path) -> (Rig, Arc<SyncGate>) {
     let image = Image::open_storage(Box::new(storage), path, OpenOptions::read_write()).unwrap();
     let gate = Arc::new(WriteGate::new());
     let (region, monitor) =
-        PcowRegion::from_image(image, gate.clone(), &RegionOptions::default()).unwrap();
+        PcowRegion::from_image(image, gate.clone(), &one_cluster_per_fault()).unwrap();
     let rig = Rig {
         region,
         monitor: serve(monitor),
@@ -242,7 +242,7 @@ fn a_stalled_flush_on_one_device_does_not_delay_another() {
     let (slow, sync) = slow_rig(&dir.path().join("slow.pcow"));
     let fast_path = dir.path().join("fast.pcow");
     create(&fast_path, N * K64, K64, None).close().unwrap();
-    let fast = Rig::open(&fast_path, &RegionOptions::default()).unwrap();
+    let fast = Rig::open(&fast_path, &one_cluster_per_fault()).unwrap();
     let slow = Arc::new(slow);
     slow.write(K64, b"slow");
     sync.arm();

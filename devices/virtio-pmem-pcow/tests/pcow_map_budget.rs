@@ -32,7 +32,7 @@ fn write_faults_past_the_mapping_budget_fall_back_and_lose_nothing() {
         &path,
         &RegionOptions {
             max_map_count: Some(limit),
-            ..RegionOptions::default()
+            ..one_cluster_per_fault()
         },
     )
     .unwrap();

@@ -257,7 +257,7 @@ fn holes_returned_past_the_zero_budget_lose_no_logged_write() {
         &top,
         &RegionOptions {
             zero_budget: Some(0),
-            ..RegionOptions::default()
+            ..one_cluster_per_fault()
         },
     );
     rig.region.barrier().unwrap();

@@ -179,6 +179,16 @@ pub fn check_clean(path: &Path) {
     assert!(r.is_clean(), "{}: check: {r:?}", path.display());
 }
 
+/// Options under which each write fault in a hole maps its own cluster
+/// only (no expansion window): for tests that count faults or mappings
+/// per cluster written.
+pub fn one_cluster_per_fault() -> RegionOptions {
+    RegionOptions {
+        expand_window: Some(0),
+        ..RegionOptions::default()
+    }
+}
+
 /// A region, its monitor thread and the gate the "guest" writes through.
 pub struct Rig {
     pub region: PcowRegion,
