@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::*;
 use virtio_pmem_pcow::{RegionOptions, DEFAULT_EXPAND_WINDOW};
 
@@ -136,23 +134,7 @@ fn racing_writers_fill_a_window_once() {
     let path = dir.path().join("a.pcow");
     create(&path, clusters * K64, K64, None).close().unwrap();
     let rig = Rig::open(&path, &RegionOptions::default()).unwrap();
-    let (base, len) = (rig.base(), rig.region.len());
-    let start = Arc::new(std::sync::Barrier::new(THREADS as usize));
-    let threads: Vec<_> = (0..THREADS)
-        .map(|t| {
-            let start = start.clone();
-            std::thread::spawn(move || {
-                start.wait();
-                for c in 0..clusters {
-                    let c = (c * 5 + t * 11) % clusters;
-                    gwrite(base, len, c * K64 + t * PAGE + t, &[t as u8 + 1]);
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+    race_writers(rig.base(), rig.region.len(), THREADS, clusters, 5, 11);
     let st = rig.region.status().unwrap();
     // Each cluster was allocated once: by its own fault or ahead.
     assert_eq!(
@@ -168,12 +150,7 @@ fn racing_writers_fill_a_window_once() {
     rig.region.barrier().unwrap();
     rig.close();
     check_clean(&path);
-    let v = reopen_read(&path);
-    for c in 0..clusters {
-        for t in 0..THREADS {
-            assert_eq!(v[(c * K64 + t * PAGE + t) as usize], t as u8 + 1);
-        }
-    }
+    check_raced(&reopen_read(&path), THREADS, clusters);
 }
 
 #[test]

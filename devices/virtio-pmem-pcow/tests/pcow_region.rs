@@ -130,24 +130,8 @@ fn racing_write_faults_allocate_one_cluster_each() {
     create(&path, CLUSTERS * K64, K64, None).close().unwrap();
     // Without windows (pcow_expand_window races them).
     let rig = Rig::open(&path, &one_cluster_per_fault()).unwrap();
-    let (base, len) = (rig.base(), rig.region.len());
-    let start = Arc::new(std::sync::Barrier::new(THREADS as usize));
-    let threads: Vec<_> = (0..THREADS)
-        .map(|t| {
-            let start = start.clone();
-            std::thread::spawn(move || {
-                start.wait();
-                for c in 0..CLUSTERS {
-                    // Everyone hits every cluster, in different orders.
-                    let c = (c + t * 7) % CLUSTERS;
-                    gwrite(base, len, c * K64 + t * 4096 + t, &[t as u8 + 1]);
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+    // Everyone hits every cluster, in different orders.
+    race_writers(rig.base(), rig.region.len(), THREADS, CLUSTERS, 1, 7);
     let st = rig.region.status().unwrap();
     assert_eq!(
         st.allocated_clusters, CLUSTERS,
@@ -157,12 +141,7 @@ fn racing_write_faults_allocate_one_cluster_each() {
     assert_eq!(st.shared, CLUSTERS);
     rig.region.barrier().unwrap();
     rig.close();
-    let v = reopen_read(&path);
-    for c in 0..CLUSTERS {
-        for t in 0..THREADS {
-            assert_eq!(v[(c * K64 + t * 4096 + t) as usize], t as u8 + 1);
-        }
-    }
+    check_raced(&reopen_read(&path), THREADS, CLUSTERS);
     let img = Image::open(&path, OpenOptions::read_only()).unwrap();
     assert_eq!(img.allocated_clusters(), CLUSTERS);
 }

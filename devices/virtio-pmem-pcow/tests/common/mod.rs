@@ -179,6 +179,44 @@ pub fn check_clean(path: &Path) {
     assert!(r.is_clean(), "{}: check: {r:?}", path.display());
 }
 
+/// `threads` writers started together, each writing one byte (its number
+/// + 1) at `c * K64 + t * PAGE + t` of every cluster `c` of
+/// `[0, clusters)` of the region at `base` (`len` bytes), writer `t` in the
+/// order `(i * step + t * skew) % clusters`: every cluster is faulted by
+/// every writer, in different orders. Returns when all are done.
+pub fn race_writers(base: usize, len: u64, threads: u64, clusters: u64, step: u64, skew: u64) {
+    let start = Arc::new(std::sync::Barrier::new(threads as usize));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                start.wait();
+                for i in 0..clusters {
+                    let c = (i * step + t * skew) % clusters;
+                    gwrite(base, len, c * K64 + t * PAGE + t, &[t as u8 + 1]);
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("a racing writer panicked");
+    }
+}
+
+/// `view` holds every byte [`race_writers`] wrote.
+#[track_caller]
+pub fn check_raced(view: &[u8], threads: u64, clusters: u64) {
+    for c in 0..clusters {
+        for t in 0..threads {
+            assert_eq!(
+                view[(c * K64 + t * PAGE + t) as usize],
+                t as u8 + 1,
+                "cluster {c}, writer {t}"
+            );
+        }
+    }
+}
+
 /// Options under which each write fault in a hole maps its own cluster
 /// only (no expansion window): for tests that count faults or mappings
 /// per cluster written.
