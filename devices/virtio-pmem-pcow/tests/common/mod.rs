@@ -179,11 +179,11 @@ pub fn check_clean(path: &Path) {
     assert!(r.is_clean(), "{}: check: {r:?}", path.display());
 }
 
-/// `threads` writers started together, each writing one byte (its number
-/// + 1) at `c * K64 + t * PAGE + t` of every cluster `c` of
-/// `[0, clusters)` of the region at `base` (`len` bytes), writer `t` in the
-/// order `(i * step + t * skew) % clusters`: every cluster is faulted by
-/// every writer, in different orders. Returns when all are done.
+/// `threads` writers started together: writer `t` writes the byte `t + 1`
+/// at `c * K64 + t * PAGE + t` of every cluster `c` below `clusters` of
+/// the region at `base` (`len` bytes), in the order `(i * step + t * skew)
+/// % clusters`, so every cluster is faulted by every writer, in different
+/// orders. Returns when all are done.
 pub fn race_writers(base: usize, len: u64, threads: u64, clusters: u64, step: u64, skew: u64) {
     let start = Arc::new(std::sync::Barrier::new(threads as usize));
     let handles: Vec<_> = (0..threads)
