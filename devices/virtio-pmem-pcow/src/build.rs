@@ -103,11 +103,12 @@ pub struct RegionOptions {
     pub zero_budget: Option<u64>,
     /// Bytes of the aligned window a write fault in a hole may fill
     /// (rounded down to whole clusters; a cluster or less, e.g. 0, turns
-    /// it off). Once the guest has written into one cluster of a window,
-    /// its next write fault there maps every hole of the window with its
-    /// own cluster, in one mapping of consecutive clusters of the file:
-    /// a sequential or clustered writer takes two faults per window
-    /// instead of one per cluster. The image grows by the window's holes
+    /// it off). Once the guest has written into one cluster of a window
+    /// (or into the last one of the window before, for a fault in its
+    /// first), its next write fault there maps every hole of the window
+    /// with its own cluster, in one mapping of consecutive clusters of the
+    /// file: a sequential or clustered writer takes one or two faults per
+    /// window instead of one per cluster. The image grows by the window's holes
     /// (zeros until written); a window the guest wrote once stays as thin
     /// as before, as do clusters shared with a snapshot or the base and
     /// holes the guest only read. `None` is [`DEFAULT_EXPAND_WINDOW`].

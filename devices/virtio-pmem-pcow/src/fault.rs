@@ -351,8 +351,10 @@ struct Fresh {
 /// The hole clusters a write fault at hole `vcn` fills, ascending: `vcn`
 /// alone, or every hole of its expansion window once the guest has
 /// written into that window (a cluster of it is the active layer's,
-/// mapped shared). Zero-mapped and private clusters are never taken: they
-/// may hold pages the guest wrote, which a remap would drop.
+/// mapped shared), or when `vcn` opens the window right after such a
+/// cluster of the window before (a writer going forward across the
+/// boundary). Zero-mapped and private clusters are never taken: they may
+/// hold pages the guest wrote, which a remap would drop.
 fn fill_targets(st: &RegionState, vcn: u64) -> Vec<u64> {
     let w = st.expand_window;
     if w <= 1 {
@@ -361,7 +363,8 @@ fn fill_targets(st: &RegionState, vcn: u64) -> Vec<u64> {
     let first = vcn - vcn % w;
     let end = first.saturating_add(w).min(st.view.clusters.len());
     let clusters = &st.view.clusters;
-    if !(first..end).any(|c| clusters.get(c) == ClusterState::Shared) {
+    let continues = vcn == first && vcn > 0 && clusters.get(vcn - 1) == ClusterState::Shared;
+    if !continues && !(first..end).any(|c| clusters.get(c) == ClusterState::Shared) {
         return vec![vcn];
     }
     (first..end)

@@ -1,8 +1,9 @@
 //! Expansion windows (`RegionOptions::expand_window`): the second write
-//! fault in an aligned window maps every hole of the window, so a guest
-//! filling new space takes two faults per window instead of one per
-//! cluster; a window written once stays thin, and clusters that may hold
-//! the guest's pages (zero-mapped, private) are never remapped.
+//! fault in an aligned window (or the first, right after a cluster the
+//! guest wrote in the window before) maps every hole of the window, so a
+//! guest filling new space takes one or two faults per window instead of
+//! one per cluster; a window written once stays thin, and clusters that
+//! may hold the guest's pages (zero-mapped, private) are never remapped.
 
 mod common;
 
@@ -70,13 +71,31 @@ fn the_second_write_fault_in_a_window_maps_its_holes() {
         (3, W + 1, 3 * W - 1),
         "{st:?}"
     );
+    // A writer going on from the end of the full first window into the
+    // second fills the second with its first fault there.
+    write(W * K64 + 1, b"onwards");
+    let st = rig.region.status().unwrap();
+    assert_eq!(
+        (st.faults.write_faults, st.faults.clusters_ahead),
+        (4, 2 * W - 3),
+        "{st:?}"
+    );
+    assert_eq!(st.allocated_clusters, 2 * W + 1);
+    // Not so into the fourth: the third's last cluster is a hole.
+    write(3 * W * K64, b"gap");
+    let st = rig.region.status().unwrap();
+    assert_eq!(
+        (st.faults.write_faults, st.allocated_clusters),
+        (5, 2 * W + 2),
+        "{st:?}"
+    );
 
     rig.region.barrier().unwrap();
     rig.close();
     check_clean(&path);
     same(&reopen_read(&path), &model, "reopened");
     let img = pcow::Image::open(&path, pcow::OpenOptions::read_only()).unwrap();
-    assert_eq!(img.allocated_clusters(), W + 1);
+    assert_eq!(img.allocated_clusters(), 2 * W + 2);
 }
 
 #[test]
