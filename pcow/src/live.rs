@@ -54,6 +54,29 @@ impl Image {
         }
     }
 
+    /// See [`LiveImage::data_clusters_within`].
+    pub(crate) fn data_clusters_within(&self, clusters: u64) -> u64 {
+        let cap = self.g.capacity();
+        let layer = self.header.staged.active_layer;
+        // What the last segment still takes (see `alloc_entry_as`).
+        let open = self
+            .meta
+            .segments
+            .last()
+            .filter(|s| {
+                s.layer == layer
+                    && s.used < cap
+                    && s.meta + 1 + u64::from(s.used) == self.alloc.next_cluster
+            })
+            .map_or(0, |s| u64::from(cap - s.used));
+        if clusters <= open {
+            return clusters;
+        }
+        // Every new segment is a meta cluster, then up to `cap` entries.
+        let rest = clusters - open;
+        open + rest - rest.div_ceil(u64::from(cap) + 1)
+    }
+
     /// See [`LiveImage::pool_reserved`].
     pub(crate) fn pool_reserved(&mut self, offset: u64, len: u64) -> bool {
         self.alloc.reserved(self.g, offset, len)
@@ -296,10 +319,18 @@ impl LiveImage {
         self.image.pool_shortfall()
     }
 
-    /// Clusters the pool holds now: allocations up to this many (fewer
-    /// when one starts a metadata segment) do not grow the file.
+    /// Clusters the pool holds now: allocations that take no more (the
+    /// metadata segments they start included, see
+    /// [`LiveImage::data_clusters_within`]) do not grow the file.
     pub fn pool_available(&self) -> u64 {
         self.image.pool_available()
+    }
+
+    /// How many data clusters of the active layer can be allocated from
+    /// `clusters` clusters of the file, counting the metadata cluster each
+    /// new segment takes first.
+    pub fn data_clusters_within(&self, clusters: u64) -> u64 {
+        self.image.data_clusters_within(clusters)
     }
 
     /// Records that a worker reserved `[offset, offset + len)` of the image

@@ -412,10 +412,12 @@ fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<Fresh, NoCluster> {
     // The pool's shortfall starts at the file's end: an allocation that
     // moves it (or fills the pool whole) grew the file itself.
     let end_before = image.pool_shortfall().map(|(at, _)| at);
-    // Neighbours take only what the pool holds (one cluster kept for a
-    // new metadata segment): growing the file for clusters nobody wrote
-    // yet would put the slow path of a dry pool into this fault.
-    let targets = within_pool(&targets, vcn, image.pool_available().saturating_sub(1));
+    // Neighbours take only what the pool holds above its low water mark,
+    // the metadata segments they start counted: growing the file for
+    // clusters nobody wrote yet would put the slow path of a dry pool into
+    // this fault, and draining the pool would put it into the next ones.
+    let room = image.data_clusters_within(st.pool.spare_clusters(image));
+    let targets = within_pool(&targets, vcn, room);
     let cs = st.view.cs;
     let mut runs: Vec<FileRun> = Vec::new();
     let mut has_vcn = false;
@@ -447,6 +449,10 @@ fn map_fresh(st: &mut RegionState, vcn: u64) -> Result<Fresh, NoCluster> {
     }
     let grew = end_before.is_some() && image.pool_shortfall().map(|(at, _)| at) != end_before;
     let fd = top_fd(image).map_err(|source| NoCluster::Map { vcn, source })?;
+    // `vcn`'s own run first: when it cannot be mapped, nothing else is
+    // (the others stay allocated holes), so the fault's zeros fallback
+    // leaves the counters exact.
+    runs.sort_by_key(|r| !(r.vcn..r.end).contains(&vcn));
     let mut ahead = 0;
     for r in runs {
         let holds_vcn = (r.vcn..r.end).contains(&vcn);

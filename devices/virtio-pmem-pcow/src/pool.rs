@@ -518,6 +518,14 @@ impl PoolCtl {
         true
     }
 
+    /// Clusters the pool can give beyond what one fault needs without
+    /// running it low: what it holds above its low water mark (an
+    /// expansion window takes only these, so that the faults after it
+    /// still find clusters while the worker refills).
+    pub(crate) fn spare_clusters(&self, image: &LiveImage) -> u64 {
+        image.pool_available().saturating_sub(self.low_water)
+    }
+
     /// Clusters the pool holds now (reserved, not yet used).
     fn free_clusters(&self, image: &LiveImage) -> u64 {
         let missing = image.pool_shortfall().map_or(0, |(_, len)| len / self.cs);

@@ -8,7 +8,9 @@
 mod common;
 
 use common::*;
-use virtio_pmem_pcow::{RegionOptions, DEFAULT_EXPAND_WINDOW};
+use std::sync::Arc;
+
+use virtio_pmem_pcow::{PcowRegion, PoolOptions, RegionOptions, WriteGate, DEFAULT_EXPAND_WINDOW};
 
 /// Clusters of 64 KiB in the default window.
 const W: u64 = DEFAULT_EXPAND_WINDOW / K64;
@@ -223,6 +225,94 @@ fn a_window_takes_only_what_the_pool_holds() {
         "at most the pool's 8 clusters, less one kept: {st:?}"
     );
     assert_eq!(st.pool.inline_allocations, 0, "{:?}", st.pool);
+    rig.close();
+    check_clean(&path);
+}
+
+/// A region over the image at `path` whose pool has no worker: faults
+/// refill it inline, so what each fault takes from it is exact. Its low
+/// water mark is `low_water`, or a quarter of the pool.
+fn inline_pool_rig(path: &std::path::Path, pool_clusters: u64, low_water: Option<u64>) -> Rig {
+    let gate = Arc::new(WriteGate::new());
+    let opts = RegionOptions {
+        pool_clusters: Some(pool_clusters),
+        ..RegionOptions::default()
+    };
+    let (region, monitor) = PcowRegion::open_with(
+        path,
+        gate.clone(),
+        &opts,
+        &PoolOptions {
+            low_water,
+            ..PoolOptions::inline()
+        },
+    )
+    .unwrap();
+    Rig {
+        region,
+        monitor: serve(monitor),
+        gate,
+    }
+}
+
+#[test]
+fn a_window_leaves_the_pool_its_low_water_mark() {
+    if !uffd_or_skip("a_window_leaves_the_pool_its_low_water_mark") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.pcow");
+    create(&path, 8 * W * K64, K64, None).close().unwrap();
+    // A pool of 16 clusters: its low water mark is 4.
+    let rig = inline_pool_rig(&path, 16, None);
+    rig.write(0, b"a"); // refills the pool inline
+    let grew = rig.region.status().unwrap().pool.inline_allocations;
+    assert_eq!(grew, 1);
+    rig.write(K64, b"b"); // fills the window from the pool
+    let st = rig.region.status().unwrap();
+    assert!(
+        (1..W - 2).contains(&st.faults.clusters_ahead),
+        "a short pool cuts the window: {st:?}"
+    );
+    assert!(st.pool.free_clusters >= 4, "{:?}", st.pool);
+    // The faults after the fill still find clusters in the pool.
+    for w in 2..6 {
+        rig.write(w * W * K64, b"c");
+    }
+    let st = rig.region.status().unwrap();
+    assert_eq!(st.faults.write_faults, 6, "{st:?}");
+    assert_eq!(st.pool.inline_allocations, grew, "{:?}", st.pool);
+    rig.close();
+    check_clean(&path);
+}
+
+#[test]
+fn a_window_of_small_clusters_counts_its_metadata_segments() {
+    if !uffd_or_skip("a_window_of_small_clusters_counts_its_metadata_segments") {
+        return;
+    }
+    // 4 KiB clusters: a window is 512 clusters, and a metadata segment
+    // holds about 126, so a fill starts several segments.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("a.pcow");
+    let clusters = 4 * DEFAULT_EXPAND_WINDOW / PAGE;
+    create(&path, clusters * PAGE, PAGE, None).close().unwrap();
+    // A pool of 300 clusters for a window of 512, with a low water mark of
+    // one cluster: the fill takes nearly all the pool, so the metadata
+    // clusters it needs must be counted.
+    let rig = inline_pool_rig(&path, 300, Some(1));
+    rig.write(0, b"a");
+    let len = std::fs::metadata(&path).unwrap().len();
+    let grew = rig.region.status().unwrap().pool.inline_allocations;
+    rig.write(PAGE, b"b");
+    let st = rig.region.status().unwrap();
+    assert!(st.faults.clusters_ahead > 126, "{st:?}");
+    assert_eq!(st.pool.inline_allocations, grew, "{:?}", st.pool);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        len,
+        "the fill grew the file"
+    );
     rig.close();
     check_clean(&path);
 }
