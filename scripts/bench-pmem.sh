@@ -30,7 +30,8 @@
 # PMEM_BENCH_REGION_MIB (1024), PMEM_BENCH_LARGE_GIB (64),
 # PMEM_BENCH_LARGE_READ_GIB (4), PMEM_BENCH_CLUSTERS (KiB, "64,2048"),
 # PMEM_BENCH_SMALL (0 skips sections 1-4b), PMEM_BENCH_EXPANSION_ONLY (1 runs
-# sections 1, 1b and 1c only, and draws no plot).
+# sections 1, 1b and 1c only, and draws no plot), PMEM_BENCH_WINDOW (0 leaves
+# out the variant with expansion windows of 1c).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

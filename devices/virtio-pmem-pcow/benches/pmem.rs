@@ -55,7 +55,9 @@
 //! (default 4), `PMEM_BENCH_OUT` (result files, default `pmem-bench` in the
 //! current directory), `PMEM_BENCH_QEMU` (0 skips `qemu-img`),
 //! `PMEM_BENCH_SMALL` (0 skips sections 1-4b, the ones on the small region),
-//! `PMEM_BENCH_EXPANSION_ONLY` (1 runs sections 1, 1b and 1c only).
+//! `PMEM_BENCH_EXPANSION_ONLY` (1 runs sections 1, 1b and 1c only),
+//! `PMEM_BENCH_WINDOW` (0 leaves out the variant of 1c: the others then
+//! run without its pool worker beside them).
 //! Nothing here asserts a timing.
 
 use std::collections::BTreeMap;
@@ -94,6 +96,7 @@ struct Config {
     qemu: bool,
     small: bool,
     expansion_only: bool,
+    window: bool,
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -135,6 +138,7 @@ impl Config {
             qemu: env_u64("PMEM_BENCH_QEMU", 1) != 0,
             small: env_u64("PMEM_BENCH_SMALL", 1) != 0,
             expansion_only: env_u64("PMEM_BENCH_EXPANSION_ONLY", 0) != 0,
+            window: env_u64("PMEM_BENCH_WINDOW", 1) != 0,
         }
     }
 }
@@ -844,7 +848,7 @@ const EXPANSION_RUN: usize = 64;
 
 /// Expansion (1, 1b, 1c), steady state (2), snapshot and copy-on-write
 /// (3); leaves the raw mapping (fully written) for the barrier's baseline.
-fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res<RawMap> {
+fn expansion_steady_cow(c: &Case, rep: &mut Report, cfg: &Config) -> Res<RawMap> {
     let (cs, size) = (c.cs, c.size);
     let n = size / cs;
     println!(
@@ -889,7 +893,13 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
     // default expansion window. Where a window is one cluster (2 MiB
     // clusters) it is the pool-worker variant again: not run.
     let window_clusters = DEFAULT_EXPAND_WINDOW / cs;
-    let rig_d = if window_clusters > 1 {
+    let rig_d = if !cfg.window {
+        rep.note(format!(
+            "{}: no expansion-window variant: PMEM_BENCH_WINDOW=0",
+            c.name
+        ));
+        None
+    } else if window_clusters > 1 {
         Some(fresh_region(
             &c.dir.join("window.pcow"),
             cs,
@@ -1100,7 +1110,11 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
                 n.to_string(),
                 format!("{} / {}", f1(sx.p50), f1(sx.p99)),
                 format!("{} / {}", f1(sw.p50), f1(sw.p99)),
-                "- (a window is 1 cluster: the same as no window)".into(),
+                if cfg.window {
+                    "- (a window is 1 cluster: the same as no window)".into()
+                } else {
+                    "- (not run: PMEM_BENCH_WINDOW=0)".into()
+                },
                 "-".into(),
                 "-".into(),
                 format!("{} / -", f1(sw.mean)),
@@ -1149,7 +1163,7 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
     rig_i.close();
     let _ = std::fs::remove_file(c.dir.join("worker.pcow"));
     let _ = std::fs::remove_file(c.dir.join("inline.pcow"));
-    if expansion_only {
+    if cfg.expansion_only {
         rig_b.close();
         let _ = std::fs::remove_file(c.dir.join("prefilled.pcow"));
         return Ok(raw);
@@ -1880,7 +1894,7 @@ fn barrier_after_hole_reads(c: &Case, rep: &mut Report) -> Res<()> {
 
 fn run_case(cfg: &Config, c: &Case, rep: &mut Report) -> Res<()> {
     if cfg.small {
-        let raw = expansion_steady_cow(c, rep, cfg.expansion_only)?;
+        let raw = expansion_steady_cow(c, rep, cfg)?;
         if !cfg.expansion_only {
             barrier_pending(c, &raw, rep)?;
             barrier_after_hole_reads(c, rep)?;
