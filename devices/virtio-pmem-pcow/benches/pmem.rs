@@ -27,7 +27,10 @@
 //!    window maps all its holes. Its samples are every cluster's first
 //!    write like the others', most of them without a fault of the
 //!    monitor's, and the fills in its p99; beside them the write faults
-//!    it took and the clusters mapped ahead. Not run where a window is
+//!    it took, the clusters mapped ahead, and its samples split by what
+//!    its monitor did for each write (its counters, read after each write
+//!    outside the timing: a fault for one cluster, a fault that filled
+//!    the window, no fault). Not run where a window is
 //!    one cluster (2 MiB clusters: the defaults are the pool-worker
 //!    variant there);
 //! 2. steady state once every cluster is mapped: a first full write pass,
@@ -485,13 +488,18 @@ fn bare_loop(
 /// The monitor on its own thread, polling its fd like an epoll loop.
 struct MonitorThread {
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<Monitor>>,
+    handle: Option<JoinHandle<()>>,
+    /// Shared with the thread so that the benchmark can read its counters
+    /// between two writes.
+    monitor: Arc<Monitor>,
 }
 
 impl MonitorThread {
-    fn spawn(m: Monitor) -> MonitorThread {
+    fn spawn(monitor: Monitor) -> MonitorThread {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
+        let monitor = Arc::new(monitor);
+        let m = monitor.clone();
         let handle = std::thread::spawn(move || {
             let mut pfds: Vec<libc::pollfd> = m
                 .fds()
@@ -517,11 +525,11 @@ impl MonitorThread {
                     }
                 }
             }
-            m
         });
         MonitorThread {
             stop,
             handle: Some(handle),
+            monitor,
         }
     }
 }
@@ -557,9 +565,13 @@ impl Rig {
     /// Stops the monitor, then unmaps the region and closes the image.
     fn close(mut self) {
         self.monitor.stop.store(true, Ordering::Relaxed);
-        let m = self.monitor.handle.take().map(|h| h.join());
+        if let Some(h) = self.monitor.handle.take() {
+            let _ = h.join();
+        }
+        // The monitor (its last reference, the thread's is gone) after the
+        // region: it keeps the address space reserved until then.
         drop(self.region);
-        drop(m);
+        drop(self.monitor);
     }
 }
 
@@ -827,22 +839,6 @@ struct Case {
     size: u64,
 }
 
-/// For each cluster of `order` (in that order), which write into its
-/// aligned window of `window` clusters it is: 0 the first, 1 the second,
-/// 2 any later one.
-fn window_visits(order: &[u64], window: u64) -> Vec<usize> {
-    let mut seen: BTreeMap<u64, usize> = BTreeMap::new();
-    order
-        .iter()
-        .map(|&cl| {
-            let k = seen.entry(cl / window).or_insert(0);
-            let kind = (*k).min(2);
-            *k += 1;
-            kind
-        })
-        .collect()
-}
-
 /// Clusters one variant expands in a row in the expansion benchmark.
 const EXPANSION_RUN: usize = 64;
 
@@ -923,50 +919,66 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, cfg: &Config) -> Res<RawMap>
     let order = Rng(0x5eed ^ cs).shuffled(n);
     let (mr, mw, mi, mb, mx) = (raw.mem(), rig_w.mem(), rig_i.mem(), rig_b.mem(), bare.mem());
     let mp = rig_p.mem();
-    let md = rig_d.as_ref().map(Rig::mem);
+    let md = rig_d.as_ref().map(|r| (r.mem(), &*r.monitor.monitor));
     let (mut tr, mut tw, mut ti, mut tb, mut tx) = (vec![], vec![], vec![], vec![], vec![]);
     let (mut tp, mut td) = (vec![], vec![]);
+    // The window variant's samples by what its monitor did for the write:
+    // 0 nothing (the cluster was mapped ahead), 1 a fault for the cluster
+    // alone, 2 a fault that filled the window. Its counters are read after
+    // each write (outside the timing): nothing else faults in its region.
+    let mut kinds: Vec<usize> = Vec::new();
+    let mut last = match md {
+        Some((_, mon)) => mon.counters()?,
+        None => Default::default(),
+    };
     // Each variant writes a run of clusters in turn: the first writes of a
     // guest come in bursts (and the monitor's polling is made for them),
     // while the turns keep the variants side by side in time. The variant
     // that goes first rotates.
     for (k, run) in order.chunks(EXPANSION_RUN).enumerate() {
         let mut sides = vec![
-            (mr, &mut tr),
-            (mw, &mut tw),
-            (mi, &mut ti),
-            (mb, &mut tb),
-            (mx, &mut tx),
-            (mp, &mut tp),
+            (mr, &mut tr, None),
+            (mw, &mut tw, None),
+            (mi, &mut ti, None),
+            (mb, &mut tb, None),
+            (mx, &mut tx, None),
+            (mp, &mut tp, None),
         ];
-        if let Some(md) = md {
-            sides.push((md, &mut td));
+        if let Some((m, mon)) = md {
+            sides.push((m, &mut td, Some(mon)));
         }
         let turns = sides.len();
         sides.rotate_left(k % turns);
-        for (m, v) in sides {
+        for (m, v, mon) in sides {
             for &cl in run {
                 let t = Instant::now();
                 m.write_byte(cl * cs + 100, 7);
                 v.push(us(t));
+                if let Some(mon) = mon {
+                    let now = mon.counters()?;
+                    let faults = |f: &virtio_pmem_pcow::FaultCounters| {
+                        f.write_faults + f.read_faults + f.fallbacks + f.wake_only
+                    };
+                    kinds.push(if now.clusters_ahead > last.clusters_ahead {
+                        2
+                    } else if faults(&now) > faults(&last) {
+                        1
+                    } else {
+                        0
+                    });
+                    last = now;
+                }
             }
         }
     }
     let bare_faults = bare.finish()?;
     let _ = std::fs::remove_file(c.dir.join("bare.img"));
     let (sr, sw, si, sb, sx) = (stats(tr), stats(tw), stats(ti), stats(tb), stats(tx));
-    // The window variant's samples by the write's place in its window:
-    // the first write there faults for its cluster alone, the second
-    // faults and fills the window, the later ones find their cluster
-    // mapped ahead (when the pool held the window: the counters below
-    // say whether every window took exactly two faults). `td[i]` is the
-    // write of `order[i]`.
-    let kinds = window_visits(&order, window_clusters.max(1));
     let mut by_kind: [Vec<f64>; 3] = Default::default();
     for (&t, &kind) in td.iter().zip(&kinds) {
         by_kind[kind].push(t);
     }
-    let [k_first, k_fill, k_ahead] = by_kind.map(stats);
+    let [k_ahead, k_one, k_fill] = by_kind.map(stats);
     let (sp, sd) = (stats(tp), stats(td));
     let stp = rig_p.region.status()?;
     let (vw, vi, vb) = (rig_w.vmas(), rig_i.vmas(), rig_b.vmas());
@@ -1035,7 +1047,7 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, cfg: &Config) -> Res<RawMap>
     let title_w = "1c. Expansion with the default expansion window beside the same pool without it (µs per cluster)";
     rep.table(
         title_w,
-        "| fs | cluster | samples | bare userfaultfd handler p50 / p99 | pcow, pool worker, no window p50 / p99 | pcow, default (pool worker, expansion windows) p50 / p99 | windows / no window (p50, p99) | windows / bare handler (p50, p99) | mean: no window / windows | write faults: no window / windows | clusters mapped ahead (windows) | windows, by write in its window, p50 / p99: first (a fault); second (the fill fault); later (mapped ahead) | VMAs after (no window / windows) |",
+        "| fs | cluster | samples | bare userfaultfd handler p50 / p99 | pcow, pool worker, no window p50 / p99 | pcow, default (pool worker, expansion windows) p50 / p99 | windows / no window (p50, p99) | windows / bare handler (p50, p99) | mean: no window / windows | write faults: no window / windows | clusters mapped ahead (windows) | windows, samples: p50 / p99 by what the monitor did: a fault for one cluster; a fault that filled its window; no fault (mapped ahead) | VMAs after (no window / windows) |",
     );
     match &rig_d {
         Some(rig_d) => {
@@ -1055,24 +1067,16 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, cfg: &Config) -> Res<RawMap>
                     format!("{} / {}", f1(sw.mean), f1(sd.mean)),
                     format!("{} / {}", stw.faults.write_faults, fd.write_faults),
                     fd.clusters_ahead.to_string(),
-                    if fd.write_faults == 2 * n.div_ceil(window_clusters) {
-                        format!(
-                            "{} / {}; {} / {}; {} / {}",
-                            f1(k_first.p50),
-                            f1(k_first.p99),
-                            f1(k_fill.p50),
-                            f1(k_fill.p99),
-                            f1(k_ahead.p50),
-                            f1(k_ahead.p99)
-                        )
-                    } else {
-                        "- (not two faults per window)".into()
-                    },
+                    [k_one, k_fill, k_ahead]
+                        .iter()
+                        .map(|k| format!("{}: {} / {}", k.n, f1(k.p50), f1(k.p99)))
+                        .collect::<Vec<_>>()
+                        .join("; "),
                     format!("{vw} / {}", std.vmas),
                 ],
             );
             rep.tsv("expansion", &c.name, "pcow_worker_window", &sd, "us");
-            rep.tsv("expansion", &c.name, "pcow_window_first", &k_first, "us");
+            rep.tsv("expansion", &c.name, "pcow_window_one", &k_one, "us");
             rep.tsv("expansion", &c.name, "pcow_window_fill", &k_fill, "us");
             rep.tsv("expansion", &c.name, "pcow_window_ahead", &k_ahead, "us");
             // Every cluster was mapped by its own fault, ahead of a
