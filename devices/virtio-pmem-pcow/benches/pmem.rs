@@ -933,9 +933,12 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, cfg: &Config) -> Res<RawMap>
     };
     // Each variant writes a run of clusters in turn: the first writes of a
     // guest come in bursts (and the monitor's polling is made for them),
-    // while the turns keep the variants side by side in time. The variant
-    // that goes first rotates.
-    for (k, run) in order.chunks(EXPANSION_RUN).enumerate() {
+    // while the turns keep the variants side by side in time. The order
+    // of the turns is shuffled for every run: a variant's work that
+    // outlasts its turn (a pool worker's refill) lands on whichever turns
+    // follow it, and a rotation would always give it the same successors.
+    let mut turn_order = Rng(0x7e57 ^ cs);
+    for run in order.chunks(EXPANSION_RUN) {
         let mut sides = vec![
             (mr, &mut tr, None),
             (mw, &mut tw, None),
@@ -947,9 +950,10 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, cfg: &Config) -> Res<RawMap>
         if let Some((m, mon)) = md {
             sides.push((m, &mut td, Some(mon)));
         }
-        let turns = sides.len();
-        sides.rotate_left(k % turns);
-        for (m, v, mon) in sides {
+        let perm = turn_order.shuffled(sides.len() as u64);
+        let mut turns: Vec<_> = perm.into_iter().zip(sides).collect();
+        turns.sort_by_key(|(place, _)| *place);
+        for (_, (m, v, mon)) in turns {
             for &cl in run {
                 let t = Instant::now();
                 m.write_byte(cl * cs + 100, 7);
