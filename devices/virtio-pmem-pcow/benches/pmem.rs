@@ -15,9 +15,24 @@
 //!    interleaved with the first touch of
 //!    the same cluster of a raw sparse file mapped `MAP_SHARED` and with a
 //!    bare userfaultfd handler (the mechanism's floor: map a reserved
-//!    file cluster and wake, nothing else);
+//!    file cluster and wake, nothing else). These pcow variants run
+//!    without expansion windows (`RegionOptions::expand_window` =
+//!    `Some(0)`): like the bare handler, each hole costs its own write
+//!    fault, so they measure the per-fault mechanism against its floor;
 //!    1b. the same first writes into an image preallocated up front
 //!    (`preallocation=falloc`: mapped shared whole, no fault to resolve);
+//!    1c. the same first writes, in the same rotation, into a region with
+//!    the device's defaults: the pool worker and the default expansion
+//!    window (`DEFAULT_EXPAND_WINDOW`), where the second write fault in a
+//!    window maps all its holes. Its samples are every cluster's first
+//!    write like the others', most of them without a fault of the
+//!    monitor's, and the fills in its p99; beside them the write faults
+//!    it took, the clusters mapped ahead, and its samples split by what
+//!    its monitor did for each write (its counters, read after each write
+//!    outside the timing: a fault for one cluster, a fault that filled
+//!    the window, no fault). Not run where a window is
+//!    one cluster (2 MiB clusters: the defaults are the pool-worker
+//!    variant there);
 //! 2. steady state once every cluster is mapped: a first full write pass,
 //!    1 MiB sequential copies over the whole region and 4 KiB random
 //!    writes, pcow vs the raw mapping, and the region's VMA count;
@@ -43,7 +58,9 @@
 //! (default 4), `PMEM_BENCH_OUT` (result files, default `pmem-bench` in the
 //! current directory), `PMEM_BENCH_QEMU` (0 skips `qemu-img`),
 //! `PMEM_BENCH_SMALL` (0 skips sections 1-4b, the ones on the small region),
-//! `PMEM_BENCH_EXPANSION_ONLY` (1 runs sections 1 and 1b only).
+//! `PMEM_BENCH_EXPANSION_ONLY` (1 runs sections 1, 1b and 1c only),
+//! `PMEM_BENCH_WINDOW` (0 leaves out the variant of 1c: the others then
+//! run without its pool worker beside them).
 //! Nothing here asserts a timing.
 
 use std::collections::BTreeMap;
@@ -60,7 +77,9 @@ use std::time::Instant;
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image};
 use virtio_pmem_pcow::uffd;
 use virtio_pmem_pcow::Uffd;
-use virtio_pmem_pcow::{Monitor, PcowRegion, PoolOptions, RegionOptions, WriteGate};
+use virtio_pmem_pcow::{
+    Monitor, PcowRegion, PoolOptions, RegionOptions, WriteGate, DEFAULT_EXPAND_WINDOW,
+};
 
 const PAGE: u64 = 4096;
 const MIB: u64 = 1 << 20;
@@ -80,6 +99,7 @@ struct Config {
     qemu: bool,
     small: bool,
     expansion_only: bool,
+    window: bool,
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -121,6 +141,7 @@ impl Config {
             qemu: env_u64("PMEM_BENCH_QEMU", 1) != 0,
             small: env_u64("PMEM_BENCH_SMALL", 1) != 0,
             expansion_only: env_u64("PMEM_BENCH_EXPANSION_ONLY", 0) != 0,
+            window: env_u64("PMEM_BENCH_WINDOW", 1) != 0,
         }
     }
 }
@@ -467,13 +488,18 @@ fn bare_loop(
 /// The monitor on its own thread, polling its fd like an epoll loop.
 struct MonitorThread {
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<Monitor>>,
+    handle: Option<JoinHandle<()>>,
+    /// Shared with the thread so that the benchmark can read its counters
+    /// between two writes.
+    monitor: Arc<Monitor>,
 }
 
 impl MonitorThread {
-    fn spawn(m: Monitor) -> MonitorThread {
+    fn spawn(monitor: Monitor) -> MonitorThread {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
+        let monitor = Arc::new(monitor);
+        let m = monitor.clone();
         let handle = std::thread::spawn(move || {
             let mut pfds: Vec<libc::pollfd> = m
                 .fds()
@@ -499,11 +525,11 @@ impl MonitorThread {
                     }
                 }
             }
-            m
         });
         MonitorThread {
             stop,
             handle: Some(handle),
+            monitor,
         }
     }
 }
@@ -539,9 +565,13 @@ impl Rig {
     /// Stops the monitor, then unmaps the region and closes the image.
     fn close(mut self) {
         self.monitor.stop.store(true, Ordering::Relaxed);
-        let m = self.monitor.handle.take().map(|h| h.join());
+        if let Some(h) = self.monitor.handle.take() {
+            let _ = h.join();
+        }
+        // The monitor (its last reference, the thread's is gone) after the
+        // region: it keeps the address space reserved until then.
         drop(self.region);
-        drop(m);
+        drop(self.monitor);
     }
 }
 
@@ -576,10 +606,19 @@ enum Pool {
     Preallocated,
 }
 
-/// An empty image of `size` mapped as a region.
-fn fresh_region(path: &Path, cs: u64, size: u64, pool: Pool) -> Res<Rig> {
+/// [`RegionOptions::expand_window`] of the variants that measure the
+/// per-fault mechanism: off, so that every hole costs its own write fault
+/// as it does in the bare handler they are compared with.
+const NO_WINDOW: Option<u64> = Some(0);
+
+/// An empty image of `size` mapped as a region, with expansion windows of
+/// `window` bytes (`None`: the default).
+fn fresh_region(path: &Path, cs: u64, size: u64, pool: Pool, window: Option<u64>) -> Res<Rig> {
     let mut img = create_image(path, cs, Some(size), None)?;
-    let mut opts = RegionOptions::default();
+    let mut opts = RegionOptions {
+        expand_window: window,
+        ..RegionOptions::default()
+    };
     if pool == Pool::Preallocated {
         img.preallocate(pcow::Preallocation::Falloc)?;
     }
@@ -800,12 +839,12 @@ struct Case {
     size: u64,
 }
 
-/// Expansion (1), steady state (2), snapshot and copy-on-write (3); leaves
-/// the raw mapping (fully written) for the barrier's baseline.
 /// Clusters one variant expands in a row in the expansion benchmark.
 const EXPANSION_RUN: usize = 64;
 
-fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res<RawMap> {
+/// Expansion (1, 1b, 1c), steady state (2), snapshot and copy-on-write
+/// (3); leaves the raw mapping (fully written) for the barrier's baseline.
+fn expansion_steady_cow(c: &Case, rep: &mut Report, cfg: &Config) -> Res<RawMap> {
     let (cs, size) = (c.cs, c.size);
     let n = size / cs;
     println!(
@@ -814,52 +853,144 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
         size_name(cs)
     );
     let raw = RawMap::create(&c.dir.join("raw.img"), size)?;
-    let rig_w = fresh_region(&c.dir.join("worker.pcow"), cs, size, Pool::Worker)?;
-    let rig_i = fresh_region(&c.dir.join("inline.pcow"), cs, size, Pool::Inline)?;
-    let rig_b = fresh_region(&c.dir.join("prefilled.pcow"), cs, size, Pool::Prefilled)?;
-    let rig_p = fresh_region(&c.dir.join("prealloc.pcow"), cs, size, Pool::Preallocated)?;
+    // The variants compared with the bare handler run without expansion
+    // windows: the bare handler maps the faulting cluster only, and so do
+    // they (one write fault per cluster). A preallocated image has no hole
+    // for a window to fill; it runs without, like the others.
+    let rig_w = fresh_region(
+        &c.dir.join("worker.pcow"),
+        cs,
+        size,
+        Pool::Worker,
+        NO_WINDOW,
+    )?;
+    let rig_i = fresh_region(
+        &c.dir.join("inline.pcow"),
+        cs,
+        size,
+        Pool::Inline,
+        NO_WINDOW,
+    )?;
+    let rig_b = fresh_region(
+        &c.dir.join("prefilled.pcow"),
+        cs,
+        size,
+        Pool::Prefilled,
+        NO_WINDOW,
+    )?;
+    let rig_p = fresh_region(
+        &c.dir.join("prealloc.pcow"),
+        cs,
+        size,
+        Pool::Preallocated,
+        NO_WINDOW,
+    )?;
+    // The device's defaults as a VMM opens it: the pool worker and the
+    // default expansion window. Where a window is one cluster (2 MiB
+    // clusters) it is the pool-worker variant again: not run.
+    let window_clusters = DEFAULT_EXPAND_WINDOW / cs;
+    let rig_d = if !cfg.window {
+        rep.note(format!(
+            "{}: no expansion-window variant: PMEM_BENCH_WINDOW=0",
+            c.name
+        ));
+        None
+    } else if window_clusters > 1 {
+        Some(fresh_region(
+            &c.dir.join("window.pcow"),
+            cs,
+            size,
+            Pool::Worker,
+            None,
+        )?)
+    } else {
+        rep.note(format!(
+            "{}: no expansion-window variant: the default window ({}) is {} cluster here, \
+             so the defaults are the pool-worker variant",
+            c.name,
+            size_name(DEFAULT_EXPAND_WINDOW),
+            window_clusters.max(1)
+        ));
+        None
+    };
     let bare = BareHandler::create(&c.dir.join("bare.img"), size, cs)?;
     // Let the worker fill its first pool, as it would before a guest runs.
     std::thread::sleep(std::time::Duration::from_millis(200));
     let order = Rng(0x5eed ^ cs).shuffled(n);
     let (mr, mw, mi, mb, mx) = (raw.mem(), rig_w.mem(), rig_i.mem(), rig_b.mem(), bare.mem());
     let mp = rig_p.mem();
+    let md = rig_d.as_ref().map(|r| (r.mem(), &*r.monitor.monitor));
     let (mut tr, mut tw, mut ti, mut tb, mut tx) = (vec![], vec![], vec![], vec![], vec![]);
-    let mut tp = vec![];
+    let (mut tp, mut td) = (vec![], vec![]);
+    // The window variant's samples by what its monitor did for the write:
+    // 0 nothing (the cluster was mapped ahead), 1 a fault for the cluster
+    // alone, 2 a fault that filled the window. Its counters are read after
+    // each write (outside the timing): nothing else faults in its region.
+    let mut kinds: Vec<usize> = Vec::new();
+    let mut last = match md {
+        Some((_, mon)) => mon.counters()?,
+        None => Default::default(),
+    };
     // Each variant writes a run of clusters in turn: the first writes of a
     // guest come in bursts (and the monitor's polling is made for them),
-    // while the turns keep the variants side by side in time. The variant
-    // that goes first rotates.
-    for (k, run) in order.chunks(EXPANSION_RUN).enumerate() {
-        let mut sides = [
-            (mr, &mut tr),
-            (mw, &mut tw),
-            (mi, &mut ti),
-            (mb, &mut tb),
-            (mx, &mut tx),
-            (mp, &mut tp),
+    // while the turns keep the variants side by side in time. The order
+    // of the turns is shuffled for every run: a variant's work that
+    // outlasts its turn (a pool worker's refill) lands on whichever turns
+    // follow it, and a rotation would always give it the same successors.
+    let mut turn_order = Rng(0x7e57 ^ cs);
+    for run in order.chunks(EXPANSION_RUN) {
+        let mut sides = vec![
+            (mr, &mut tr, None),
+            (mw, &mut tw, None),
+            (mi, &mut ti, None),
+            (mb, &mut tb, None),
+            (mx, &mut tx, None),
+            (mp, &mut tp, None),
         ];
-        let turns = sides.len();
-        sides.rotate_left(k % turns);
-        for (m, v) in sides {
+        if let Some((m, mon)) = md {
+            sides.push((m, &mut td, Some(mon)));
+        }
+        let perm = turn_order.shuffled(sides.len() as u64);
+        let mut turns: Vec<_> = perm.into_iter().zip(sides).collect();
+        turns.sort_by_key(|(place, _)| *place);
+        for (_, (m, v, mon)) in turns {
             for &cl in run {
                 let t = Instant::now();
                 m.write_byte(cl * cs + 100, 7);
                 v.push(us(t));
+                if let Some(mon) = mon {
+                    let now = mon.counters()?;
+                    let faults = |f: &virtio_pmem_pcow::FaultCounters| {
+                        f.write_faults + f.read_faults + f.fallbacks + f.wake_only
+                    };
+                    kinds.push(if now.clusters_ahead > last.clusters_ahead {
+                        2
+                    } else if faults(&now) > faults(&last) {
+                        1
+                    } else {
+                        0
+                    });
+                    last = now;
+                }
             }
         }
     }
     let bare_faults = bare.finish()?;
     let _ = std::fs::remove_file(c.dir.join("bare.img"));
     let (sr, sw, si, sb, sx) = (stats(tr), stats(tw), stats(ti), stats(tb), stats(tx));
-    let sp = stats(tp);
+    let mut by_kind: [Vec<f64>; 3] = Default::default();
+    for (&t, &kind) in td.iter().zip(&kinds) {
+        by_kind[kind].push(t);
+    }
+    let [k_ahead, k_one, k_fill] = by_kind.map(stats);
+    let (sp, sd) = (stats(tp), stats(td));
     let stp = rig_p.region.status()?;
     let (vw, vi, vb) = (rig_w.vmas(), rig_i.vmas(), rig_b.vmas());
     let stw = rig_w.region.status()?;
     let title = "1. Expansion: first 1-byte write into a hole (µs per cluster)";
     rep.table(
         title,
-        "| fs | cluster | samples | raw first touch p50 / p99 | bare userfaultfd handler p50 / p99 | pcow, pool worker (default) p50 / p99 | pcow, inline refill p50 / p99 | pcow, pool pre-filled p50 / p99 | pcow / bare handler (p50: default, pre-filled) | pcow / raw (p50, default) | VMAs after (default / inline / pre-filled) |",
+        "| fs | cluster | samples | raw first touch p50 / p99 | bare userfaultfd handler p50 / p99 | pcow, pool worker (default pool), no window p50 / p99 | pcow, inline refill, no window p50 / p99 | pcow, pool pre-filled, no window p50 / p99 | pcow / bare handler (p50: default pool, pre-filled) | pcow / raw (p50, default pool) | VMAs after (default pool / inline / pre-filled) |",
     );
     rep.row(
         title,
@@ -883,10 +1014,25 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
     rep.tsv("expansion", &c.name, "pcow_prefilled", &sb, "us");
     rep.tsv("expansion", &c.name, "bare_uffd_handler", &sx, "us");
     rep.tsv("expansion", &c.name, "pcow_preallocated", &sp, "us");
+    // Every variant without a window took one write fault per cluster.
+    for (what, rig) in [
+        ("pool worker", &rig_w),
+        ("inline refill", &rig_i),
+        ("pre-filled pool", &rig_b),
+    ] {
+        let f = rig.region.status()?.faults;
+        if f.write_faults + f.fallbacks != n || f.clusters_ahead != 0 {
+            rep.note(format!(
+                "{}: {what} without a window: {} write faults, {} fallbacks and {} clusters \
+                 mapped ahead for {n} clusters (expected one fault per cluster)",
+                c.name, f.write_faults, f.fallbacks, f.clusters_ahead
+            ));
+        }
+    }
     let title_p = "1b. First write into a preallocated image (µs per cluster)";
     rep.table(
         title_p,
-        "| fs | cluster | samples | raw first touch p50 / p99 | pcow, preallocated (falloc) p50 / p99 | pcow expansion (default) p50 | preallocated / raw (p50) | preallocated / expansion (p50) | faults taken (preallocated) |",
+        "| fs | cluster | samples | raw first touch p50 / p99 | pcow, preallocated (falloc) p50 / p99 | pcow expansion (pool worker, no window) p50 | preallocated / raw (p50) | preallocated / expansion (p50) | faults taken (preallocated) |",
     );
     rep.row(
         title_p,
@@ -902,6 +1048,91 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
             (stp.faults.write_faults + stp.faults.read_faults).to_string(),
         ],
     );
+    let title_w = "1c. Expansion with the default expansion window beside the same pool without it (µs per cluster)";
+    rep.table(
+        title_w,
+        "| fs | cluster | samples | bare userfaultfd handler p50 / p99 | pcow, pool worker, no window p50 / p99 | pcow, default (pool worker, expansion windows) p50 / p99 | windows / no window (p50, p99) | windows / bare handler (p50, p99) | mean: no window / windows | write faults: no window / windows | clusters mapped ahead (windows) | windows, samples: p50 / p99 by what the monitor did: a fault for one cluster; a fault that filled its window; no fault (mapped ahead) | VMAs after (no window / windows) |",
+    );
+    match &rig_d {
+        Some(rig_d) => {
+            let std = rig_d.region.status()?;
+            let fd = std.faults;
+            rep.row(
+                title_w,
+                &[
+                    c.fs.clone(),
+                    short_cs(cs),
+                    n.to_string(),
+                    format!("{} / {}", f1(sx.p50), f1(sx.p99)),
+                    format!("{} / {}", f1(sw.p50), f1(sw.p99)),
+                    format!("**{}** / {}", f1(sd.p50), f1(sd.p99)),
+                    format!("{}, {}", ratio(sd.p50, sw.p50), ratio(sd.p99, sw.p99)),
+                    format!("{}, {}", ratio(sd.p50, sx.p50), ratio(sd.p99, sx.p99)),
+                    format!("{} / {}", f1(sw.mean), f1(sd.mean)),
+                    format!("{} / {}", stw.faults.write_faults, fd.write_faults),
+                    fd.clusters_ahead.to_string(),
+                    [k_one, k_fill, k_ahead]
+                        .iter()
+                        .map(|k| format!("{}: {} / {}", k.n, f1(k.p50), f1(k.p99)))
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                    format!("{vw} / {}", std.vmas),
+                ],
+            );
+            rep.tsv("expansion", &c.name, "pcow_worker_window", &sd, "us");
+            rep.tsv("expansion", &c.name, "pcow_window_one", &k_one, "us");
+            rep.tsv("expansion", &c.name, "pcow_window_fill", &k_fill, "us");
+            rep.tsv("expansion", &c.name, "pcow_window_ahead", &k_ahead, "us");
+            // Every cluster was mapped by its own fault, ahead of a
+            // neighbour's, or got zeros (a fallback).
+            if fd.write_faults + fd.clusters_ahead + fd.fallbacks != n {
+                rep.note(format!(
+                    "{}: with windows: {} write faults + {} clusters mapped ahead + {} fallbacks \
+                     for {n} clusters",
+                    c.name, fd.write_faults, fd.clusters_ahead, fd.fallbacks
+                ));
+            }
+            rep.note(format!(
+                "{}: expansion with windows ({window_clusters} clusters each) and the worker: \
+                 {} write faults for {n} clusters, {} clusters mapped ahead ({} faults read by \
+                 the monitor while it polled, {} fallbacks); pool: {} refills by the worker ({} \
+                 stale pieces), {} faults that had to allocate inline, {} that waited for the \
+                 worker's next piece, {} clusters at the end",
+                c.name,
+                fd.write_faults,
+                fd.clusters_ahead,
+                fd.polled,
+                fd.fallbacks,
+                std.pool.refills,
+                std.pool.stale_refills,
+                std.pool.inline_allocations,
+                std.pool.piece_waits,
+                std.pool.pool_clusters
+            ));
+        }
+        None => rep.row(
+            title_w,
+            &[
+                c.fs.clone(),
+                short_cs(cs),
+                n.to_string(),
+                format!("{} / {}", f1(sx.p50), f1(sx.p99)),
+                format!("{} / {}", f1(sw.p50), f1(sw.p99)),
+                if cfg.window {
+                    "- (a window is 1 cluster: the same as no window)".into()
+                } else {
+                    "- (not run: PMEM_BENCH_WINDOW=0)".into()
+                },
+                "-".into(),
+                "-".into(),
+                format!("{} / -", f1(sw.mean)),
+                format!("{} / -", stw.faults.write_faults),
+                "-".into(),
+                "-".into(),
+                format!("{vw} / -"),
+            ],
+        ),
+    }
     if bare_faults != n {
         rep.note(format!(
             "{}: the bare handler resolved {bare_faults} faults for {n} clusters",
@@ -909,9 +1140,10 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
         ));
     }
     rep.note(format!(
-        "{}: expansion with the worker: {} write faults ({} read by the monitor while it polled), \
-         {} fallbacks; pool: {} refills by the worker ({} stale pieces), {} faults that had to \
-         allocate inline, {} that waited for the worker's next piece, {} clusters at the end",
+        "{}: expansion with the worker, no window: {} write faults ({} read by the monitor while \
+         it polled), {} fallbacks; pool: {} refills by the worker ({} stale pieces), {} faults \
+         that had to allocate inline, {} that waited for the worker's next piece, {} clusters at \
+         the end",
         c.name,
         stw.faults.write_faults,
         stw.faults.polled,
@@ -922,6 +1154,10 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
         stw.pool.piece_waits,
         stw.pool.pool_clusters
     ));
+    if let Some(rig_d) = rig_d {
+        rig_d.close();
+        let _ = std::fs::remove_file(c.dir.join("window.pcow"));
+    }
     let lat = rep.latency.entry(c.name.clone()).or_default();
     lat.insert("raw_first_touch", sr.p50);
     lat.insert("pcow_expansion_worker", sw.p50);
@@ -935,7 +1171,7 @@ fn expansion_steady_cow(c: &Case, rep: &mut Report, expansion_only: bool) -> Res
     rig_i.close();
     let _ = std::fs::remove_file(c.dir.join("worker.pcow"));
     let _ = std::fs::remove_file(c.dir.join("inline.pcow"));
-    if expansion_only {
+    if cfg.expansion_only {
         rig_b.close();
         let _ = std::fs::remove_file(c.dir.join("prefilled.pcow"));
         return Ok(raw);
@@ -1666,7 +1902,7 @@ fn barrier_after_hole_reads(c: &Case, rep: &mut Report) -> Res<()> {
 
 fn run_case(cfg: &Config, c: &Case, rep: &mut Report) -> Res<()> {
     if cfg.small {
-        let raw = expansion_steady_cow(c, rep, cfg.expansion_only)?;
+        let raw = expansion_steady_cow(c, rep, cfg)?;
         if !cfg.expansion_only {
             barrier_pending(c, &raw, rep)?;
             barrier_after_hole_reads(c, rep)?;
