@@ -62,6 +62,9 @@ mount -t tmpfs tmpfs /dev/shm
 mount -t tmpfs -o size=1g tmpfs /tmp
 ln -sf /proc/self/fd /dev/fd 2>/dev/null
 echo "SANDBOX-L1-BOOTED uptime=$(up) kernel=$(uname -r) cpus=$(grep -c ^processor /proc/cpuinfo)"
+# run-l1.sh sends a byte to the serial input when the console has been
+# silent for a while (it wakes a stuck L1): never echo it into the log.
+stty -echo 2>/dev/null || echo "SANDBOX-L1: stty -echo failed on the console"
 for m in $(cat /etc/l1-modules); do
     insmod /lib/modules/$m.ko || echo "SANDBOX-L1: insmod $m failed"
 done

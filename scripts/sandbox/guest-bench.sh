@@ -56,6 +56,8 @@
 #                   from the boot that froze (default 180; L1 prints
 #                   GB-ALIVE every 20 s while a VM runs)
 #   GB_L1_ATTEMPTS  L1 boots at most (default 4)
+#   SANDBOX_KICK_S  default 0 here: a frozen L1 is restarted, not woken
+#                   (run-l1.sh; a woken boot's fio numbers hold the freeze)
 #   GB_TEST_FREEZE=K  test the restart: L1 goes silent (sleeps) when boot K
 #                   of the schedule starts, in the first GB_TEST_FREEZE_TIMES
 #                   (default 1) attempts
@@ -307,6 +309,12 @@ log=$CACHE/logs/guest-bench-$(date +%Y%m%d-%H%M%S).log
 # before the hang keeps its verdict, and the combined log has every
 # attempt's output in order, with a GB-HOST line per hang.
 STALL_S=${GB_STALL_S:-180}
+# run-l1.sh would wake a stuck L1 with a byte on its serial input after
+# SANDBOX_KICK_S of silence (see there); here a boot that stopped for that
+# long would keep its fio numbers with the stop inside them, so a frozen L1
+# is restarted from the boot that froze instead (unless SANDBOX_KICK_S is
+# given).
+export SANDBOX_KICK_S=${SANDBOX_KICK_S:-0}
 case $STALL_S in '' | *[!0-9]* | 0) die "GB_STALL_S must be a positive integer (s), not '$STALL_S'" ;; esac
 ATTEMPTS=${GB_L1_ATTEMPTS:-4}
 case $ATTEMPTS in '' | *[!0-9]* | 0) die "GB_L1_ATTEMPTS must be a positive integer, not '$ATTEMPTS'" ;; esac

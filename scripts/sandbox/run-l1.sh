@@ -17,6 +17,9 @@
 #   SANDBOX_MEM      L1 memory (default 1536M); SANDBOX_SMP (default 2)
 #   SANDBOX_QUIET=1  do not echo the serial console to stdout
 #   SANDBOX_APPEND   extra L1 kernel command-line words
+#   SANDBOX_KICK_S   seconds of silence on L1's console after which a byte
+#                    is sent to its serial input (default 30; 0: never),
+#                    see "L1 that stops" below
 #   SANDBOX_OUT=DIR  bring files back: whatever the payload writes under /out
 #                    in L1 is extracted into DIR here afterwards (a tar stream
 #                    through a virtio-blk disk; SANDBOX_OUT_SIZE, default 2G
@@ -98,12 +101,53 @@ qemu=(qemu-system-x86_64
     -kernel "$CACHE/l1/vmlinuz" -initrd "$work/initrd.cpio"
     "${out_args[@]}"
     -append "$append")
+# L1 that stops: QEMU 7.2's TCG running L2 under nested SVM can leave an
+# interrupt pending in L1's local APIC without the vCPU's request for it,
+# and L1's only vCPU then halts for good with no timer armed. Measured on
+# 2026-11-26 with gdb on frozen L1s (at L2 boots, about once per 10-20 of
+# them): the vCPU thread waiting for work, QEMU's main loop in ppoll
+# until the RTC's next midnight; an NMI did not wake L1, raising the
+# vCPU's CPU_INTERRUPT_HARD did at once. Any interrupt from a device makes
+# QEMU look at the APIC again: after SANDBOX_KICK_S of silence on the
+# console a carriage return goes to L1's serial input (the UART's receive
+# interrupt). L1's init turns its console's echo off, so the byte never
+# shows; a healthy L1 that is only quiet ignores it.
+kick_s=${SANDBOX_KICK_S:-30}
+case $kick_s in '' | *[!0-9]*) die "SANDBOX_KICK_S must be a number of seconds, not '$kick_s'" ;; esac
+mkfifo "$work/serial-in"
+# Read-write, so that QEMU's open for reading finds a writer at once.
+exec {serial_in}<>"$work/serial-in"
+: >"$work/kicks"
+kick_watch() { # LOG
+    local last=-1 same=0 size
+    while sleep 5; do
+        # Gone with this script, whatever ended it.
+        kill -0 $$ 2>/dev/null || return 0
+        size=$(stat -c %s "$1" 2>/dev/null || echo 0)
+        if [ "$size" != "$last" ]; then
+            same=0 last=$size
+            continue
+        fi
+        same=$((same + 5))
+        if [ "$same" -ge "$kick_s" ]; then
+            printf '\r' >&"$serial_in"
+            echo "$(cut -d' ' -f1 /proc/uptime) $same" >>"$work/kicks"
+            same=0
+        fi
+    done
+}
+kick_pid=
+if [ "$kick_s" -gt 0 ]; then
+    kick_watch "$log" &
+    kick_pid=$!
+fi
+
 say "booting L1 (timeout ${timeout_s}s), serial log: $log"
 : >"$log"
 t0=$(now)
 kvm_t=""
 set +e
-timeout -k 10 "$timeout_s" "${qemu[@]}" </dev/null 2>&1 | {
+timeout -k 10 "$timeout_s" "${qemu[@]}" <"$work/serial-in" 2>&1 | {
     while IFS= read -r line || [ -n "$line" ]; do
         line=${line%$'\r'}
         printf '%s\n' "$line" >>"$log"
@@ -119,6 +163,13 @@ timeout -k 10 "$timeout_s" "${qemu[@]}" </dev/null 2>&1 | {
 qrc=${PIPESTATUS[0]}
 set -e
 total=$(elapsed "$t0")
+if [ -n "$kick_pid" ]; then
+    kill "$kick_pid" 2>/dev/null || true
+    wait "$kick_pid" 2>/dev/null || true
+fi
+exec {serial_in}>&-
+nkicks=$(wc -l <"$work/kicks")
+[ "$nkicks" -eq 0 ] || say "L1's console was silent for ${kick_s}s $nkicks time(s): a byte was sent to its serial input each time"
 
 # Segments the payload streamed while it ran ("SANDBOX-OUT-SEGMENT mib=N":
 # a tar at N MiB on the out disk, written and synced before the marker):
