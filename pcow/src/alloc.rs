@@ -89,12 +89,6 @@ impl Pool {
         Ok((self.file_len - before) >> g.cluster_bits())
     }
 
-    /// Clusters reserved past the end of the structures: what allocations
-    /// take before one has to grow the file.
-    pub(crate) fn available(&self, g: Geometry) -> u64 {
-        self.file_len.saturating_sub(g.offset(self.next_cluster)) >> g.cluster_bits()
-    }
-
     /// The byte range to reserve so that the pool holds its full size
     /// again, or `None` when it does.
     pub(crate) fn shortfall(&self, g: Geometry) -> Option<(u64, u64)> {

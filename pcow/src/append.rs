@@ -38,6 +38,22 @@ impl Image {
         self.alloc_entry_as(layer, vcn, bitmap, Space::Reserved)
     }
 
+    /// Entries the last segment still takes for `layer` without a new
+    /// segment: it must be `layer`'s, have room, and end where the next
+    /// cluster goes (its entries' clusters follow its meta cluster).
+    pub(crate) fn open_segment_room(&self, layer: u32) -> u64 {
+        let cap = self.g.capacity();
+        self.meta
+            .segments
+            .last()
+            .filter(|s| {
+                s.layer == layer
+                    && s.used < cap
+                    && s.meta + 1 + u64::from(s.used) == self.alloc.next_cluster
+            })
+            .map_or(0, |s| u64::from(cap - s.used))
+    }
+
     /// [`Image::alloc_entry`], the file grown as `space` says.
     pub(crate) fn alloc_entry_as(
         &mut self,
@@ -46,12 +62,7 @@ impl Image {
         bitmap: &[u64],
         space: Space,
     ) -> Result<u32> {
-        let cap = self.g.capacity();
-        let extend = self.meta.segments.last().is_some_and(|s| {
-            s.layer == layer
-                && s.used < cap
-                && s.meta + 1 + u64::from(s.used) == self.alloc.next_cluster
-        });
+        let extend = self.open_segment_room(layer) > 0;
         let need = if extend { 1 } else { 2 };
         self.check_cluster_limit(need)?;
         self.ensure_space_as(self.alloc.next_cluster + need, space)?;

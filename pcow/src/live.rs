@@ -45,30 +45,10 @@ impl Image {
             .filter(|_| self.access.writable)
     }
 
-    /// See [`LiveImage::pool_available`].
-    pub(crate) fn pool_available(&self) -> u64 {
-        if self.access.writable {
-            self.alloc.available(self.g)
-        } else {
-            0
-        }
-    }
-
     /// See [`LiveImage::data_clusters_within`].
     pub(crate) fn data_clusters_within(&self, clusters: u64) -> u64 {
         let cap = self.g.capacity();
-        let layer = self.header.staged.active_layer;
-        // What the last segment still takes (see `alloc_entry_as`).
-        let open = self
-            .meta
-            .segments
-            .last()
-            .filter(|s| {
-                s.layer == layer
-                    && s.used < cap
-                    && s.meta + 1 + u64::from(s.used) == self.alloc.next_cluster
-            })
-            .map_or(0, |s| u64::from(cap - s.used));
+        let open = self.open_segment_room(self.header.staged.active_layer);
         if clusters <= open {
             return clusters;
         }
@@ -317,13 +297,6 @@ impl LiveImage {
     /// size again, or `None` when it does.
     pub fn pool_shortfall(&self) -> Option<(u64, u64)> {
         self.image.pool_shortfall()
-    }
-
-    /// Clusters the pool holds now: allocations that take no more (the
-    /// metadata segments they start included, see
-    /// [`LiveImage::data_clusters_within`]) do not grow the file.
-    pub fn pool_available(&self) -> u64 {
-        self.image.pool_available()
     }
 
     /// How many data clusters of the active layer can be allocated from

@@ -523,7 +523,7 @@ impl PoolCtl {
     /// expansion window takes only these, so that the faults after it
     /// still find clusters while the worker refills).
     pub(crate) fn spare_clusters(&self, image: &LiveImage) -> u64 {
-        image.pool_available().saturating_sub(self.low_water)
+        self.free_clusters(image).saturating_sub(self.low_water)
     }
 
     /// Clusters the pool holds now (reserved, not yet used).

@@ -23,7 +23,9 @@ fn the_second_write_fault_in_a_window_maps_its_holes() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("a.pcow");
     create(&path, 4 * W * K64, K64, None).close().unwrap();
-    let rig = Rig::open(&path, &RegionOptions::default()).unwrap();
+    // An inline pool of 4 windows: each fill finds the whole window above
+    // the low water mark (a worker's refill could still be in flight).
+    let rig = inline_pool_rig(&path, 4 * W, None);
     let mut model = vec![0u8; (4 * W * K64) as usize];
     let mut write = |off: u64, data: &[u8]| {
         rig.write(off, data);
@@ -113,7 +115,9 @@ fn a_window_never_remaps_zero_mapped_or_private_clusters() {
     b.close().unwrap();
     let path = dir.path().join("top.pcow");
     create(&path, size, K64, Some("base.pcow")).close().unwrap();
-    let rig = Rig::open(&path, &RegionOptions::default()).unwrap();
+    // An inline pool of 4 windows: each fill finds the whole window above
+    // the low water mark (a worker's refill could still be in flight).
+    let rig = inline_pool_rig(&path, 4 * W, None);
     let mut model = vec![0u8; size as usize];
     model[(3 * K64) as usize..][..K64 as usize].copy_from_slice(&pattern(9, K64 as usize));
 
