@@ -51,6 +51,8 @@ use kvm_ioctls::VmFd;
 use std::os::fd::AsRawFd;
 use virtio_pmem_pcow::{WriteLog, WriteLogError};
 
+use crate::dirty_ring::{DirtyRingError, DirtyRings};
+
 /// `KVM_GET_DIRTY_LOG`: `_IOW(KVMIO, 0x42, struct kvm_dirty_log)`.
 const KVM_GET_DIRTY_LOG: libc::c_ulong = (1 << 30)
     | ((std::mem::size_of::<kvm_dirty_log>() as libc::c_ulong) << 16)
@@ -86,11 +88,43 @@ pub enum DirtyLogError {
     },
     #[error("memslot {slot} was deleted")]
     Deleted { slot: u32 },
+    #[error("KVM's dirty ring")]
+    Ring(#[source] DirtyRingError),
     #[error("no memory for the dirty bitmap of {pages} pages")]
     Memory {
         pages: u64,
         #[source]
         source: std::collections::TryReserveError,
+    },
+}
+
+/// How a VM's logged memslots report what the guest wrote, chosen when
+/// the VM is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogChoice {
+    /// KVM's dirty ring ([`crate::dirty_ring`], rings of
+    /// [`crate::dirty_ring::DEFAULT_RING_BYTES`]) when KVM offers it and
+    /// the host's KVM module is one known to stop a vCPU before its ring
+    /// overflows ([`crate::dirty_ring::host_stops_full_rings`]); else the
+    /// bitmap.
+    #[default]
+    Auto,
+    /// The dirty ring with rings of at most this many bytes whenever KVM
+    /// offers it (tests and benchmarks; a ring KVM overflows is detected
+    /// and its slots' readers scan instead).
+    Ring(u32),
+    /// The dirty bitmap (`KVM_GET_DIRTY_LOG`), also where a ring is
+    /// offered (benchmarks compare the two).
+    Bitmap,
+}
+
+/// What a VM's logged slots are read with.
+#[derive(Debug, Clone)]
+pub(crate) enum VmLog {
+    Ring(Arc<DirtyRings>),
+    /// The bitmap; `manual`: [`enable_manual_protect`] succeeded.
+    Bitmap {
+        manual: bool,
     },
 }
 
@@ -100,18 +134,34 @@ pub enum DirtyLogError {
 /// the [`KvmDirtyLog`].
 #[derive(Debug)]
 pub(crate) struct SlotLog {
-    vm: Arc<VmFd>,
     slot: u32,
     live: bool,
+    /// [`host_logs_unbuffered`].
+    unbuffered: bool,
+    source: Source,
+}
+
+/// Where a slot's written pages come from.
+#[derive(Debug)]
+enum Source {
+    /// The VM's dirty rings, which keep the slot's pages collected.
+    Ring(Arc<DirtyRings>),
+    /// The slot's dirty bitmap.
+    Bitmap(Bitmap),
+}
+
+/// A slot's dirty bitmap and how to read it.
+#[derive(Debug)]
+struct Bitmap {
+    vm: Arc<VmFd>,
+    slot: u32,
     /// The VM has manual protection enabled ([`enable_manual_protect`]):
     /// a read copies the bitmap and clears what it copied.
     manual: bool,
-    /// [`host_logs_unbuffered`].
-    unbuffered: bool,
     /// Pages in the slot.
     pages: u64,
     /// One bit per page of the slot, reused by every read.
-    bitmap: Vec<u64>,
+    words: Vec<u64>,
 }
 
 /// Whether this host's KVM sets a page's bit in the dirty bitmap when it
@@ -193,34 +243,50 @@ pub(crate) type SharedSlotLog = Arc<Mutex<SlotLog>>;
 
 impl SlotLog {
     /// The log of `slot` (`len` bytes, registered with
-    /// `KVM_MEM_LOG_DIRTY_PAGES`).
+    /// `KVM_MEM_LOG_DIRTY_PAGES`) of a VM whose slots `vm_log` reads.
     pub(crate) fn new(
         vm: Arc<VmFd>,
         slot: u32,
         len: u64,
-        manual: bool,
+        vm_log: &VmLog,
     ) -> Result<SharedSlotLog, DirtyLogError> {
         let pages = len.div_ceil(PAGE);
-        let words = pages.div_ceil(64) as usize;
-        let mut bitmap = Vec::new();
-        bitmap
-            .try_reserve_exact(words)
-            .map_err(|source| DirtyLogError::Memory { pages, source })?;
-        bitmap.resize(words, 0);
+        let source = match vm_log {
+            VmLog::Ring(rings) => {
+                rings.register(slot, pages).map_err(DirtyLogError::Ring)?;
+                Source::Ring(rings.clone())
+            }
+            VmLog::Bitmap { manual } => {
+                let count = pages.div_ceil(64) as usize;
+                let mut words = Vec::new();
+                words
+                    .try_reserve_exact(count)
+                    .map_err(|source| DirtyLogError::Memory { pages, source })?;
+                words.resize(count, 0);
+                Source::Bitmap(Bitmap {
+                    vm,
+                    slot,
+                    manual: *manual,
+                    pages,
+                    words,
+                })
+            }
+        };
         Ok(Arc::new(Mutex::new(SlotLog {
-            vm,
             slot,
             live: true,
-            manual,
             unbuffered: host_logs_unbuffered(),
-            pages,
-            bitmap,
+            source,
         })))
     }
 
     /// Marks the slot deleted (before it is).
     pub(crate) fn retire(log: &SharedSlotLog) {
-        lock(log).live = false;
+        let mut l = lock(log);
+        l.live = false;
+        if let Source::Ring(rings) = &l.source {
+            rings.unregister(l.slot);
+        }
     }
 
     /// Reads and clears the log: calls `into` with each page marked.
@@ -228,17 +294,31 @@ impl SlotLog {
         if !self.live {
             return Err(DirtyLogError::Deleted { slot: self.slot });
         }
+        match &mut self.source {
+            Source::Ring(rings) => match rings.take(self.slot, into) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(DirtyLogError::Deleted { slot: self.slot }),
+                Err(e) => Err(DirtyLogError::Ring(e)),
+            },
+            Source::Bitmap(b) => b.take(into),
+        }
+    }
+}
+
+impl Bitmap {
+    /// Reads and clears the bitmap: calls `into` with each page marked.
+    fn take(&mut self, into: &mut dyn FnMut(u64)) -> Result<(), DirtyLogError> {
         let arg = kvm_dirty_log {
             slot: self.slot,
             padding1: 0,
             __bindgen_anon_1: kvm_bindings::kvm_dirty_log__bindgen_ty_1 {
-                dirty_bitmap: self.bitmap.as_mut_ptr().cast(),
+                dirty_bitmap: self.words.as_mut_ptr().cast(),
             },
         };
         // `arg` names a slot of this VM (live: its Memslot has not deleted
-        // it, checked under the lock the deletion takes) and a bitmap of
-        // one bit per page of that slot (sized from its length), which
-        // outlives the call; KVM writes only the bitmap.
+        // it, checked by the caller under the lock the deletion takes) and
+        // a bitmap of one bit per page of that slot (sized from its
+        // length), which outlives the call; KVM writes only the bitmap.
         // SAFETY: so the ioctl writes only memory this function owns.
         let r = unsafe { libc::ioctl(self.vm.as_raw_fd(), KVM_GET_DIRTY_LOG as _, &arg) };
         if r < 0 {
@@ -248,7 +328,7 @@ impl SlotLog {
             });
         }
         let mut span: Option<(usize, usize)> = None;
-        for (i, word) in self.bitmap.iter().enumerate() {
+        for (i, word) in self.words.iter().enumerate() {
             let mut w = *word;
             if w == 0 {
                 continue;
@@ -284,7 +364,7 @@ impl SlotLog {
                 ..Default::default()
             };
             let word = (page / 64) as usize;
-            arg.__bindgen_anon_1.dirty_bitmap = self.bitmap[word..].as_mut_ptr().cast();
+            arg.__bindgen_anon_1.dirty_bitmap = self.words[word..].as_mut_ptr().cast();
             // `arg` names a live slot of this VM (checked by the caller
             // under the lock the deletion takes), pages inside it (`end` is
             // capped at its page count), and a bitmap holding at least

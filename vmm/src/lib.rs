@@ -55,6 +55,7 @@ pub mod control;
 pub mod cpu;
 pub mod device_tree;
 pub mod dirty_log;
+pub mod dirty_ring;
 pub mod event_monitor;
 pub mod health;
 pub mod irq;

@@ -227,6 +227,7 @@ fn run() -> Result<()> {
     };
     // Read from /sys before Landlock (at boot or restore) shuts it out.
     vmm::dirty_log::host_logs_unbuffered();
+    vmm::dirty_ring::host_stops_full_rings();
     // The VMM thread confines itself before it creates, boots or restores
     // anything: every thread it spawns from here on inherits this filter
     // (the device crate's fault and pool threads included) and narrows it.

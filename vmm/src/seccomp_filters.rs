@@ -180,7 +180,7 @@ const SPAWN: &[i64] = &[
 /// pcow image I/O: reads and writes, durability (fsync of files and of
 /// directories), space, locks, the live overlay's and the barrier's
 /// mappings (mremap; PAGEMAP_SCAN on /proc/self/pagemap and KVM's dirty log
-/// of a pmem memslot, KVM_GET_DIRTY_LOG and KVM_CLEAR_DIRTY_LOG, are `ioctl`s, in the request tables).
+/// of a pmem memslot, KVM_GET_DIRTY_LOG, KVM_CLEAR_DIRTY_LOG and KVM_RESET_DIRTY_RINGS, are `ioctl`s, in the request tables).
 const IMAGE_IO: &[i64] = &[
     libc::SYS_fadvise64,
     libc::SYS_fallocate,
@@ -325,6 +325,7 @@ const VMM_IOCTLS: &[u32] = &[
     KVM_ENABLE_CAP,
     KVM_GET_DIRTY_LOG,
     KVM_CLEAR_DIRTY_LOG,
+    KVM_RESET_DIRTY_RINGS,
     KVM_SET_TSS_ADDR,
     KVM_CREATE_IRQCHIP,
     KVM_IRQFD,
@@ -354,7 +355,8 @@ const VMM_IOCTLS: &[u32] = &[
     tty(libc::FIONBIO),
 ];
 
-/// A vCPU thread: `KVM_RUN` and `KVM_NMI`; what the guest's MMIO and port
+/// A vCPU thread: `KVM_RUN` and `KVM_NMI`; a full dirty ring collected
+/// (`KVM_RESET_DIRTY_RINGS`); what the guest's MMIO and port
 /// writes make it do (MSI-X vectors programmed: the GSI routes; a BAR
 /// moved: its queue notifications' ioeventfds); and the vCPU state that
 /// `vm.snapshot` reads and a restore writes on the vCPU's own thread
@@ -362,6 +364,7 @@ const VMM_IOCTLS: &[u32] = &[
 const VCPU_IOCTLS: &[u32] = &[
     KVM_RUN,
     KVM_NMI,
+    KVM_RESET_DIRTY_RINGS,
     KVM_SET_GSI_ROUTING,
     KVM_IOEVENTFD,
     KVM_GET_REGS,
@@ -391,12 +394,13 @@ const VCPU_IOCTLS: &[u32] = &[
 ];
 
 /// A pmem queue thread: the FLUSH barrier finds written pages (KVM's dirty
-/// log of the pmem memslot, or PAGEMAP_SCAN where KVM has none),
+/// ring or log of the pmem memslot, or PAGEMAP_SCAN where KVM has none),
 /// write-protects them again and tracks clusters it maps private
 /// (UFFDIO_REGISTER in write-protect mode).
 const PMEM_QUEUE_IOCTLS: &[u32] = &[
     KVM_GET_DIRTY_LOG,
     KVM_CLEAR_DIRTY_LOG,
+    KVM_RESET_DIRTY_RINGS,
     dev(pagemap::PAGEMAP_SCAN),
     dev(uffd::UFFDIO_WRITEPROTECT),
     dev(uffd::UFFDIO_REGISTER),

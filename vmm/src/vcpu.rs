@@ -56,6 +56,7 @@ use std::time::Duration;
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 // Issue 17: state capture and restore requests served by paused vCPUs.
+use crate::dirty_ring::{DirtyRingError, DirtyRings, KVM_EXIT_DIRTY_RING_FULL};
 use crate::seccomp_filters::{self, ThreadKind};
 use crate::snapshot::cpu_state::{
     CpuStateContext, CpuStateError, StateReply, StateRequest, VcpuState,
@@ -97,6 +98,12 @@ pub enum VcpuError {
         exit_reason: u32,
         #[source]
         source: kvm_ioctls::Error,
+    },
+    #[error("vCPU {id}: collecting the dirty rings after a full ring")]
+    DirtyRing {
+        id: u8,
+        #[source]
+        source: DirtyRingError,
     },
     #[error("vCPU {id}: unhandled exit {exit}")]
     UnhandledExit { id: u8, exit: String },
@@ -215,6 +222,9 @@ pub struct VcpuStats {
     pub pauses: u64,
     /// NMIs queued with `KVM_NMI` ([`VcpuControl::nmi`]).
     pub nmis: u64,
+    /// Exits for a full dirty ring (`crate::dirty_ring`), each followed
+    /// by the collection of every ring.
+    pub ring_full: u64,
 }
 
 /// A vCPU (not yet running).
@@ -222,6 +232,9 @@ pub struct VcpuStats {
 pub struct Vcpu {
     id: u8,
     fd: VcpuFd,
+    /// The VM's dirty rings, when it has them: a full ring stops this
+    /// vCPU until it is collected.
+    rings: Option<Arc<DirtyRings>>,
 }
 
 /// The kick signal: the first real-time signal, as Cloud Hypervisor uses.
@@ -660,8 +673,8 @@ impl Drop for ExitMark<'_> {
 }
 
 impl Vcpu {
-    pub(crate) fn new(id: u8, fd: VcpuFd) -> Vcpu {
-        Vcpu { id, fd }
+    pub(crate) fn new(id: u8, fd: VcpuFd, rings: Option<Arc<DirtyRings>>) -> Vcpu {
+        Vcpu { id, fd, rings }
     }
 
     /// The vCPU's id.
@@ -789,6 +802,15 @@ impl Vcpu {
                 Ok(VcpuExit::Hlt) => return Ok((VcpuStop::Halted, stats)),
                 Ok(VcpuExit::Shutdown) => return Ok((VcpuStop::Shutdown, stats)),
                 Ok(VcpuExit::Intr) => stats.interrupted += 1,
+                Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) if self.rings.is_some() => {
+                    stats.ring_full += 1;
+                    ctl.handling(idx);
+                    if let Some(rings) = &self.rings {
+                        rings
+                            .collect_full()
+                            .map_err(|source| VcpuError::DirtyRing { id, source })?;
+                    }
+                }
                 Ok(exit) => {
                     return Err(VcpuError::UnhandledExit {
                         id,

@@ -5,7 +5,10 @@
 //! the VM before anything else may reuse the host range it pointed at.
 
 use crate::boot::layout;
-use crate::dirty_log::{enable_manual_protect, KvmDirtyLog, SharedSlotLog, SlotLog};
+use crate::dirty_log::{
+    enable_manual_protect, KvmDirtyLog, LogChoice, SharedSlotLog, SlotLog, VmLog,
+};
+use crate::dirty_ring::{self, DirtyRingError, DirtyRings};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
@@ -62,6 +65,8 @@ pub enum VmError {
     },
     #[error("KVM_CREATE_VCPU {0}")]
     CreateVcpu(u8, #[source] kvm_ioctls::Error),
+    #[error("vCPU {0}'s dirty ring")]
+    VcpuRing(u8, #[source] DirtyRingError),
     #[error("memslot table lock poisoned by a panic")]
     Poisoned,
 }
@@ -172,8 +177,8 @@ pub struct Vm {
     memory: GuestMemoryMmap,
     table: Arc<Mutex<SlotTable>>,
     fd: Arc<VmFd>,
-    /// Dirty logs are read with manual protection (`dirty_log`).
-    manual_log: bool,
+    /// How logged slots are read (`dirty_log`, `dirty_ring`).
+    log: VmLog,
     _kvm: Kvm,
 }
 
@@ -200,6 +205,27 @@ impl Vm {
     /// mapped from `memory-ranges`), which must start at guest address 0
     /// and fit under [`MAX_RAM`].
     pub fn with_memory(kvm: Kvm, memory: GuestMemoryMmap) -> Result<Vm, VmError> {
+        Self::with_memory_log(kvm, memory, LogChoice::default())
+    }
+
+    /// [`Vm::new`] with logged slots read as `choice` says.
+    pub fn new_with_log(config: &VmConfig, choice: LogChoice) -> Result<Vm, VmError> {
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let size = config.ram_size;
+        if size == 0 || !size.is_multiple_of(PAGE) || size > MAX_RAM {
+            return Err(VmError::RamSize { size, max: MAX_RAM });
+        }
+        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size as usize)])
+            .map_err(VmError::GuestMemory)?;
+        Self::with_memory_log(kvm, memory, choice)
+    }
+
+    /// [`Vm::with_memory`] with logged slots read as `choice` says.
+    pub fn with_memory_log(
+        kvm: Kvm,
+        memory: GuestMemoryMmap,
+        choice: LogChoice,
+    ) -> Result<Vm, VmError> {
         let v = kvm.get_api_version();
         if v != kvm_bindings::KVM_API_VERSION as i32 {
             return Err(VmError::ApiVersion(v));
@@ -215,7 +241,20 @@ impl Vm {
         let fd = Arc::new(kvm.create_vm().map_err(VmError::CreateVm)?);
         fd.set_tss_address(TSS_ADDRESS)
             .map_err(VmError::TssAddress)?;
-        let manual_log = enable_manual_protect(&fd);
+        // Before any vCPU exists: KVM takes a ring only then.
+        let ring = match choice {
+            LogChoice::Auto if dirty_ring::host_stops_full_rings() => {
+                dirty_ring::enable(&fd, dirty_ring::DEFAULT_RING_BYTES)
+            }
+            LogChoice::Auto | LogChoice::Bitmap => None,
+            LogChoice::Ring(bytes) => dirty_ring::enable(&fd, bytes),
+        };
+        let log = match ring {
+            Some(entries) => VmLog::Ring(DirtyRings::new(fd.clone(), entries)),
+            None => VmLog::Bitmap {
+                manual: enable_manual_protect(&fd),
+            },
+        };
         let table = Arc::new(Mutex::new(SlotTable {
             max: kvm.get_nr_memslots(),
             used: Vec::new(),
@@ -225,7 +264,7 @@ impl Vm {
             memory,
             table,
             fd,
-            manual_log,
+            log,
             _kvm: kvm,
         };
         let ranges: Vec<(u64, u64, u64)> = vm
@@ -324,7 +363,7 @@ impl Vm {
         let host = region_host(gpa, host_addr, len)?;
         // SAFETY: the caller keeps the range mapped for the slot's life.
         let why = match unsafe { self.add_slot(gpa, host, len, KVM_MEM_LOG_DIRTY_PAGES) } {
-            Ok(mut slot) => match SlotLog::new(self.fd.clone(), slot.slot, len, self.manual_log) {
+            Ok(mut slot) => match SlotLog::new(self.fd.clone(), slot.slot, len, &self.log) {
                 Ok(log) => match KvmDirtyLog(log.clone()).take(&mut |_| {}) {
                     Ok(()) => {
                         slot.log = Some(log);
@@ -349,7 +388,16 @@ impl Vm {
     /// (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`: a read copies the bitmap, a
     /// clear re-protects only what it named).
     pub fn dirty_log_manual(&self) -> bool {
-        self.manual_log
+        matches!(self.log, VmLog::Bitmap { manual: true })
+    }
+
+    /// The VM's dirty rings, when its logged slots are read from KVM's
+    /// dirty ring instead of the bitmap.
+    pub fn dirty_rings(&self) -> Option<Arc<DirtyRings>> {
+        match &self.log {
+            VmLog::Ring(r) => Some(r.clone()),
+            VmLog::Bitmap { .. } => None,
+        }
     }
 
     /// Registers a memslot.
@@ -407,7 +455,11 @@ impl Vm {
             .fd
             .create_vcpu(u64::from(id))
             .map_err(|e| VmError::CreateVcpu(id, e))?;
-        Ok(Vcpu::new(id, fd))
+        let rings = self.dirty_rings();
+        if let Some(r) = &rings {
+            r.add_vcpu(id, &fd).map_err(|e| VmError::VcpuRing(id, e))?;
+        }
+        Ok(Vcpu::new(id, fd, rings))
     }
 }
 

@@ -27,12 +27,14 @@ use std::time::{Duration, Instant};
 use pcow::{CreateOptions, Image, OpenOptions};
 use virtio_pmem_pcow::{MonitorReport, MonitorThread, PcowRegion, RegionOptions};
 use vm_memory::{Bytes, GuestAddress};
+use vmm::dirty_log::LogChoice;
+use vmm::dirty_ring::{host_stops_full_rings, DEFAULT_RING_BYTES};
 use vmm::testguest::{Check, Report, Step, TestGuest};
-use vmm::vcpu::{self, VcpuControl, VcpuStop};
+use vmm::vcpu::{self, VcpuControl, VcpuStats, VcpuStop};
 use vmm::vm::Vm;
 
 mod common;
-use common::{chain, uffd_or_skip, vm_or_skip, Port};
+use common::{chain, uffd_or_skip, vm_with_log_or_skip, Port};
 
 const K64: u64 = 64 << 10;
 const M2: u64 = 2 << 20;
@@ -115,10 +117,42 @@ fn apply(model: &mut [u8], off: u64, c: &Check) {
     model[off as usize..][..c.bytes().len()].copy_from_slice(&c.bytes());
 }
 
+/// A VM whose logged slots are read as `choice` says; `None` (SKIPPED
+/// printed) when there is no KVM, or when the ring was asked for and this
+/// KVM has none.
+fn vm_for(test: &str, choice: LogChoice) -> Option<Vm> {
+    let vm = vm_with_log_or_skip(test, M2, choice)?;
+    match choice {
+        LogChoice::Ring(_) if vm.dirty_rings().is_none() => {
+            println!("SKIPPED: {test}: this KVM gives no dirty ring (see the VMM's info log)");
+            None
+        }
+        LogChoice::Bitmap => {
+            assert!(vm.dirty_rings().is_none());
+            Some(vm)
+        }
+        _ => Some(vm),
+    }
+}
+
 #[test]
-fn barriers_on_the_dirty_log_miss_no_guest_write() {
-    let test = "barriers_on_the_dirty_log_miss_no_guest_write";
-    let Some(vm) = vm_or_skip(test, M2) else {
+fn barriers_on_the_dirty_ring_miss_no_guest_write() {
+    barriers_miss_no_guest_write(
+        "barriers_on_the_dirty_ring_miss_no_guest_write",
+        LogChoice::Ring(DEFAULT_RING_BYTES),
+    );
+}
+
+#[test]
+fn barriers_on_the_dirty_bitmap_miss_no_guest_write() {
+    barriers_miss_no_guest_write(
+        "barriers_on_the_dirty_bitmap_miss_no_guest_write",
+        LogChoice::Bitmap,
+    );
+}
+
+fn barriers_miss_no_guest_write(test: &str, choice: LogChoice) {
+    let Some(vm) = vm_for(test, choice) else {
         return;
     };
     if !uffd_or_skip(test) {
@@ -291,8 +325,9 @@ fn barriers_on_the_dirty_log_miss_no_guest_write() {
 }
 
 /// Runs the test guest once on a new vCPU: one byte into each of `pages`
-/// (page numbers of the slot at `gpa`), then halts.
-fn write_pages(vm: &Vm, id: u8, gpa: u64, len: u64, pages: &[u64], value: u64) {
+/// (page numbers of the slot at `gpa`), then halts. The vCPU's exit
+/// counters.
+fn write_pages(vm: &Vm, id: u8, gpa: u64, len: u64, pages: &[u64], value: u64) -> VcpuStats {
     let guest = TestGuest {
         checks: pages
             .iter()
@@ -305,32 +340,24 @@ fn write_pages(vm: &Vm, id: u8, gpa: u64, len: u64, pages: &[u64], value: u64) {
     loaded.configure(&cpu).unwrap();
     let port = Port::default();
     let t = vcpu::spawn(cpu, VcpuControl::new().unwrap(), Box::new(port.clone())).unwrap();
-    t.join().unwrap();
+    let (_, stats) = t.join().unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
     let r = port.0.lock().unwrap().clone();
     assert!(
         matches!(r.last(), Some(Report::Done(n)) if *n as usize == pages.len()),
         "the guest did not finish its writes: {r:?}"
     );
+    stats
 }
 
-/// The log names each page the guest wrote, once: a second read names
-/// nothing (with manual protection that needs the read's clear: without
-/// it, the same pages came back), and a page written again after a read
-/// is named again (the clear re-protected it). Pages far apart, past the
-/// first 64 of the slot (a clear spans words of the bitmap).
-#[test]
-fn the_dirty_log_names_each_write_once_and_again_after_a_new_write() {
-    let test = "the_dirty_log_names_each_write_once_and_again_after_a_new_write";
-    let Some(vm) = vm_or_skip(test, 2 << 20) else {
-        return;
-    };
-    const LEN: u64 = 64 << 20;
+/// An anonymous mapping of `len` bytes as a logged slot of `vm`; the host
+/// address. The caller unmaps it after the slot is dropped.
+fn anon_slot(vm: &Vm, len: u64) -> (*mut libc::c_void, u64, vmm::vm::Memslot) {
     // SAFETY: a new private anonymous mapping at no fixed address; it
-    // replaces nothing and is unmapped after the slot is gone.
+    // replaces nothing and is unmapped by the caller after the slot is gone.
     let host = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            LEN as usize,
+            len as usize,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
@@ -339,13 +366,33 @@ fn the_dirty_log_names_each_write_once_and_again_after_a_new_write() {
     };
     assert_ne!(host, libc::MAP_FAILED);
     let gpa = vm.next_region_gpa().unwrap();
-    // SAFETY: the mapping outlives the slot (dropped before the munmap).
-    let slot = unsafe { vm.add_logged_region(gpa, host.cast(), LEN) }.unwrap();
+    // SAFETY: the mapping outlives the slot (the caller drops the slot
+    // before the munmap).
+    let slot = unsafe { vm.add_logged_region(gpa, host.cast(), len) }.unwrap();
+    (host, gpa, slot)
+}
+
+/// The log names each page the guest wrote, once: a second read names
+/// nothing (with manual protection that needs the read's clear: without
+/// it, the same pages came back; with the ring, the reset), and a page
+/// written again after a read is named again (the clear or the reset
+/// re-protected it). Pages far apart, past the first 64 of the slot (a
+/// clear spans words of the bitmap).
+fn names_each_write_once(test: &str, choice: LogChoice) {
+    let Some(vm) = vm_for(test, choice) else {
+        return;
+    };
+    const LEN: u64 = 64 << 20;
+    let (host, gpa, slot) = anon_slot(&vm, LEN);
     let Some(log) = slot.write_log() else {
         println!("SKIPPED {test}: this KVM gives no dirty log");
         return;
     };
-    println!("manual protection: {}", vm.dirty_log_manual());
+    println!(
+        "manual protection: {}, ring: {:?}",
+        vm.dirty_log_manual(),
+        vm.dirty_rings().map(|r| r.entries())
+    );
     let take = || {
         let mut v = Vec::new();
         log.take(&mut |p| v.push(p)).unwrap();
@@ -362,4 +409,146 @@ fn the_dirty_log_names_each_write_once_and_again_after_a_new_write() {
     drop(slot);
     // SAFETY: the slot that pointed at it is deleted; nothing else uses it.
     unsafe { libc::munmap(host, LEN as usize) };
+}
+
+#[test]
+fn the_dirty_ring_names_each_write_once_and_again_after_a_new_write() {
+    names_each_write_once(
+        "the_dirty_ring_names_each_write_once_and_again_after_a_new_write",
+        LogChoice::Ring(DEFAULT_RING_BYTES),
+    );
+}
+
+#[test]
+fn the_dirty_bitmap_names_each_write_once_and_again_after_a_new_write() {
+    names_each_write_once(
+        "the_dirty_bitmap_names_each_write_once_and_again_after_a_new_write",
+        LogChoice::Bitmap,
+    );
+}
+
+/// A ring smaller than what the guest writes fills up: KVM stops the
+/// vCPU (`KVM_EXIT_DIRTY_RING_FULL`), its thread collects every ring and
+/// the guest goes on; the pages collected then are kept for the next
+/// read, which names every page written, once. A KVM that writes past a
+/// full ring instead (the host's `kvm_pvm`) must make the next read of
+/// every slot fail, never pass with pages missing. Two slots: each read
+/// names only its own slot's pages. The smallest ring KVM takes (a page,
+/// or the next power of two it accepts), and four times as many pages
+/// written.
+#[test]
+fn a_full_dirty_ring_stops_the_vcpu_and_loses_no_page() {
+    let test = "a_full_dirty_ring_stops_the_vcpu_and_loses_no_page";
+    let mut found = None;
+    for bytes in [4096u32, 8192, 16384, 32768, 65536] {
+        let Some(vm) = vm_with_log_or_skip(test, M2, LogChoice::Ring(bytes)) else {
+            return;
+        };
+        if let Some(entries) = vm.dirty_rings().map(|r| r.entries()) {
+            found = Some((vm, entries));
+            break;
+        }
+    }
+    let Some((vm, entries)) = found else {
+        println!("SKIPPED: {test}: this KVM gives no dirty ring of 4-64 KiB");
+        return;
+    };
+    const LEN: u64 = 64 << 20;
+    let (host_a, gpa_a, slot_a) = anon_slot(&vm, LEN);
+    let (host_b, gpa_b, slot_b) = anon_slot(&vm, LEN);
+    let (log_a, log_b) = (slot_a.write_log().unwrap(), slot_b.write_log().unwrap());
+    let take = |log: &vmm::dirty_log::KvmDirtyLog| {
+        let mut v = Vec::new();
+        log.take(&mut |p| v.push(p)).unwrap();
+        v.sort_unstable();
+        v
+    };
+    // Four runs of a ring's worth of pages each, spread over the slot
+    // (every word of each page written: one entry per page).
+    let n = u64::from(entries);
+    let runs = [(7, n), (3000, n), (9001, n), (LEN / PAGE - n, n)];
+    let pages: Vec<u64> = runs.iter().flat_map(|&(p, c)| p..p + c).collect();
+    let guest = TestGuest {
+        checks: runs
+            .iter()
+            .map(|&(p, c)| {
+                Step::from(Check {
+                    gpa: gpa_a + p * PAGE,
+                    qwords: c * PAGE / 8,
+                    seed: p,
+                    stride: STRIDE,
+                    write: true,
+                })
+            })
+            .collect(),
+        idle: None,
+    };
+    let loaded = guest.load(vm.memory(), gpa_a + LEN).unwrap();
+    let cpu = vm.create_vcpu(0).unwrap();
+    loaded.configure(&cpu).unwrap();
+    let port = Port::default();
+    let t = vcpu::spawn(cpu, VcpuControl::new().unwrap(), Box::new(port.clone())).unwrap();
+    let run = t.join();
+    let rings = vm.dirty_rings().unwrap();
+    let rs = rings.stats();
+    let try_take = |log: &vmm::dirty_log::KvmDirtyLog| {
+        let mut v = Vec::new();
+        log.take(&mut |p| v.push(p)).map(|()| {
+            v.sort_unstable();
+            v
+        })
+    };
+    eprintln!(
+        "{test}: {entries} entries per ring, {} pages written, vCPU {}, rings {rs:?}",
+        pages.len(),
+        match &run {
+            Ok(r) => format!("{r:?}"),
+            Err(e) => chain(e),
+        }
+    );
+    if rs.overflows == 0 {
+        let (_, stats) = run.unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
+        let r = port.0.lock().unwrap().clone();
+        assert!(
+            matches!(r.last(), Some(Report::Done(4)))
+                && r.iter().filter(|x| matches!(x, Report::Pass(_))).count() == 4,
+            "the guest did not finish its writes: {r:?}"
+        );
+        assert!(stats.ring_full >= 1, "the ring never filled: {stats:?}");
+        assert_eq!(rs.full_exits, stats.ring_full);
+        assert_eq!(take(&log_b), Vec::<u64>::new(), "slot b was not written");
+        assert_eq!(take(&log_a), pages, "every page of slot a, once");
+    } else {
+        // KVM wrote past the ring. Such a KVM also never frees it again
+        // (its reset stops where entries were overwritten), so the vCPU
+        // must stop with an error rather than spin, and no read may pass
+        // for complete: each slot's next read fails (its reader scans).
+        assert!(
+            !host_stops_full_rings(),
+            "a KVM trusted to stop at a full ring overflowed it: {rs:?}"
+        );
+        if let Err(e) = &run {
+            assert!(chain(e).contains("full dirty ring"), "{}", chain(e));
+        }
+        for log in [&log_a, &log_b] {
+            let e = try_take(log).expect_err("a read after an overflow must fail");
+            assert!(chain(&e).contains("overflowed"), "{}", chain(&e));
+        }
+        eprintln!("{test}: this KVM overflowed the ring; both slots reported it");
+    }
+    assert_eq!(take(&log_a), Vec::<u64>::new());
+    // Both slots, after pages of each were written by other vCPUs: the
+    // log works again (reading whole rings, after an overflow).
+    write_pages(&vm, 1, gpa_b, LEN, &[9, 12345], 2);
+    write_pages(&vm, 2, gpa_a, LEN, &[pages[0], pages[pages.len() - 1]], 3);
+    assert_eq!(take(&log_b), [9, 12345]);
+    assert_eq!(take(&log_a), [pages[0], pages[pages.len() - 1]]);
+    assert_eq!(rings.stats().strays, 0, "{:?}", rings.stats());
+    drop(slot_a);
+    drop(slot_b);
+    // SAFETY: the slots that pointed at them are deleted.
+    unsafe {
+        libc::munmap(host_a, LEN as usize);
+        libc::munmap(host_b, LEN as usize);
+    }
 }

@@ -55,7 +55,11 @@ pub const KVM_GET_DIRTY_LOG: u32 = iow(0x42, size_of::<kvm_dirty_log>());
 /// With manual protection of the dirty log, what a read took is cleared
 /// apart (`dirty_log.rs`).
 pub const KVM_CLEAR_DIRTY_LOG: u32 = iowr(0xc0, size_of::<kvm_clear_dirty_log>());
-/// Set-up of a VM: manual dirty-log protection (`dirty_log.rs`).
+/// KVM's dirty ring (`dirty_ring.rs`): collected entries re-protected, by
+/// barriers, status reads and a vCPU whose ring is full.
+pub const KVM_RESET_DIRTY_RINGS: u32 = io(0xc7);
+/// Set-up of a VM: manual dirty-log protection (`dirty_log.rs`), the
+/// dirty ring (`dirty_ring.rs`).
 pub const KVM_ENABLE_CAP: u32 = iow(0xa3, size_of::<kvm_enable_cap>());
 pub const KVM_SET_USER_MEMORY_REGION: u32 = iow(0x46, size_of::<kvm_userspace_memory_region>());
 pub const KVM_SET_TSS_ADDR: u32 = io(0x47);

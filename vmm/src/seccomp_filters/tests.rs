@@ -386,6 +386,7 @@ fn request_numbers_are_the_kernel_headers() {
         ("KVM_GET_DIRTY_LOG", KVM_GET_DIRTY_LOG, 0x4010_ae42),
         ("KVM_CLEAR_DIRTY_LOG", KVM_CLEAR_DIRTY_LOG, 0xc018_aec0),
         ("KVM_ENABLE_CAP", KVM_ENABLE_CAP, 0x4068_aea3),
+        ("KVM_RESET_DIRTY_RINGS", KVM_RESET_DIRTY_RINGS, 0x0000_aec7),
         (
             "KVM_SET_USER_MEMORY_REGION",
             KVM_SET_USER_MEMORY_REGION,

@@ -89,8 +89,17 @@ pub fn chain(e: &dyn std::error::Error) -> String {
 /// A VM with `ram_size` bytes of RAM, or `None` (printed as SKIPPED) when
 /// KVM is not usable here. Under CI a `/dev/kvm` that exists must work.
 pub fn vm_or_skip(test: &str, ram_size: u64) -> Option<vmm::vm::Vm> {
+    vm_with_log_or_skip(test, ram_size, vmm::dirty_log::LogChoice::default())
+}
+
+/// [`vm_or_skip`] with the VM's logged slots read as `choice` says.
+pub fn vm_with_log_or_skip(
+    test: &str,
+    ram_size: u64,
+    choice: vmm::dirty_log::LogChoice,
+) -> Option<vmm::vm::Vm> {
     use vmm::vm::{Vm, VmConfig, VmError};
-    match Vm::new(&VmConfig { ram_size }) {
+    match Vm::new_with_log(&VmConfig { ram_size }, choice) {
         Ok(vm) => Some(vm),
         Err(e) => {
             let dev = Path::new("/dev/kvm").exists();
