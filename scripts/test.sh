@@ -120,6 +120,9 @@ fi
 step "nested sandbox: selftest (L1 has a real /dev/kvm; QEMU in L1 boots a guest)"
 scripts/sandbox/selftest.sh
 
+step "nested sandbox: KVM tests on L1's kvm-amd (the dirty ring; scripts/sandbox/kvm-tests-l1.sh)"
+scripts/sandbox/kvm-tests-l1.sh
+
 step "nested sandbox: cloud-hypervisor scenarios with real Linux guests"
 scripts/sandbox/vmm-scenarios.sh
 

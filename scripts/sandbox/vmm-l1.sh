@@ -1026,6 +1026,9 @@ sc12() {
     [ "$(wc -l <$L/s12-steps.txt)" -eq 5 ] || why="${why:+$why; }expected 5 steps, got: $(tr '\n' ';' <$L/s12-steps.txt)"
     # Stock KVM has a dirty log: the barriers after the boot's first follow it.
     [ "$nlogged" -gt 0 ] || why="${why:+$why; }no barrier followed KVM's dirty log"
+    # L1's kvm-amd stops a vCPU at a full ring: the VMM reads the ring there.
+    how=$(sed -n "s/.*barriers follow KVM's dirty log: its \(dirty [a-z]*\).*/\1/p" $L/s12-track.log | head -n1)
+    [ "$how" = "dirty ring" ] || why="${why:+$why; }the VMM did not read KVM's dirty ring (${how:-no log line})"
     img_check "$img"
     c1=$crc
     boot s12-verify "file=$img" "l2.scenario=s12verify l2.n=$S12_BYTES"
@@ -1033,7 +1036,7 @@ sc12() {
     [ -z "$why" ] || return 1
     [ $c1 -eq 0 ] || { why="pcow-img check after the tracking run: rc=$c1"; return 1; }
     booted_ok s12-verify || return 1
-    note="guest writes through KVM found by write tracking: $(awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $3 }' $L/s12-steps.txt) pages ($pages written per write step); $nlogged barriers on KVM's dirty log ($nunheld of them without pausing the vCPU); check rc=0; t.bin read back on the next boot"
+    note="guest writes through KVM found by write tracking: $(awk '{ printf "%s%s %d", (NR > 1 ? ", " : ""), $1, $3 }' $L/s12-steps.txt) pages ($pages written per write step); $nlogged barriers on KVM's $how ($nunheld of them without pausing the vCPU); check rc=0; t.bin read back on the next boot"
 }
 
 # ---- scenario 13: a preallocated image ------------------------------------------

@@ -6,11 +6,13 @@
 //! For each file system (tmpfs `/dev/shm`, the disk `/var/tmp`) and
 //! cluster size (64 KiB, 2 MiB): the I/O floor (as section 5: the file
 //! grows by 100 clusters, a page written into each, `fdatasync`, a 4 KiB
-//! commit record, `fdatasync`), then two VMs in turn (the first alternates
-//! from cell to cell), each with a fresh pcow top image over a sparse raw
-//! base of `PMEM_BENCH_LARGE_GIB` GiB (default 64) as its pmem memslot:
-//! one registered with KVM's dirty log (barriers follow it), one without
-//! (barriers scan). In 3 rounds the test guest writes one byte into each
+//! commit record, `fdatasync`), then three VMs in turn (their order
+//! rotates from cell to cell), each with a fresh pcow top image over a
+//! sparse raw base of `PMEM_BENCH_LARGE_GIB` GiB (default 64) as its pmem
+//! memslot: two registered with KVM's dirty log (barriers follow it), one
+//! reading it from KVM's dirty ring (forced where KVM offers one), one
+//! from the dirty bitmap, and one without (barriers scan). In 3 rounds the
+//! test guest writes one byte into each
 //! of 100 random pages in 100 distinct clusters and spins; then the
 //! barrier is timed, pausing the running vCPU as a guest's FLUSH does
 //! ("wait": until the vCPU is out of `KVM_RUN` and the state lock taken),
@@ -23,7 +25,7 @@
 //!
 //! Run: `cargo run -p vmm --example barrier_log_bench` (the workspace's dev
 //! profile is optimized). `PMEM_BENCH_CELLS=tmpfs-64K,disk-2M` runs only
-//! those cells, `PMEM_BENCH_ONLY_LOG=1` only the dirty-log variant. Without a usable `/dev/kvm` it prints SKIPPED.
+//! those cells, `PMEM_BENCH_ONLY_LOG=1` only the two dirty-log variants. Without a usable `/dev/kvm` it prints SKIPPED.
 //! Never asserts timings.
 
 use std::fs::File;
@@ -34,6 +36,8 @@ use std::time::{Duration, Instant};
 
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image};
 use virtio_pmem_pcow::{BarrierStats, MonitorReport, MonitorThread, PcowRegion, RegionOptions};
+use vmm::dirty_log::LogChoice;
+use vmm::dirty_ring::DEFAULT_RING_BYTES;
 use vmm::testguest::{Report, Step, TestGuest, TEST_PORT};
 use vmm::vcpu::{self, PortIo, VcpuControl};
 use vmm::vm::{Vm, VmConfig};
@@ -138,6 +142,36 @@ impl Rounds {
     }
 }
 
+/// How a VM's barriers find the written pages.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    /// KVM's dirty ring (forced where KVM offers it: the guest writes 100
+    /// pages a round, far below a ring's size, so even a KVM that
+    /// overflows full rings keeps them).
+    Ring,
+    /// KVM's dirty bitmap.
+    Bitmap,
+    /// No log: the page-table scan.
+    Scan,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Ring => "KVM dirty ring",
+            Kind::Bitmap => "KVM dirty bitmap",
+            Kind::Scan => "page-table scan",
+        }
+    }
+
+    fn choice(self) -> LogChoice {
+        match self {
+            Kind::Ring => LogChoice::Ring(DEFAULT_RING_BYTES),
+            Kind::Bitmap | Kind::Scan => LogChoice::Bitmap,
+        }
+    }
+}
+
 /// What one VM measured.
 struct Variant {
     cold: Rounds,
@@ -173,7 +207,8 @@ fn floor(path: &Path, cs: u64) -> Res<Vec<f64>> {
 }
 
 /// One VM on a fresh top image over `base`, its memslot logged or not.
-fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Option<Variant>> {
+fn variant(dir: &Path, cs: u64, large: u64, read: u64, kind: Kind) -> Res<Option<Variant>> {
+    let logged = kind != Kind::Scan;
     let top = dir.join(if logged { "log.pcow" } else { "scan.pcow" });
     let _ = std::fs::remove_file(&top);
     Image::create(
@@ -188,7 +223,11 @@ fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Opti
         },
     )?
     .close()?;
-    let vm = Vm::new(&VmConfig { ram_size: 2 << 20 })?;
+    let vm = Vm::new_with_log(&VmConfig { ram_size: 2 << 20 }, kind.choice())?;
+    if kind == Kind::Ring && vm.dirty_rings().is_none() {
+        println!("SKIPPED the dirty-ring variant: this KVM gives no dirty ring");
+        return Ok(None);
+    }
     let ctl = VcpuControl::new()?;
     let (region, monitor) = PcowRegion::open(&top, ctl.clone(), &RegionOptions::default())?;
     let monitor = MonitorThread::spawn("bench-fault", Arc::new(monitor), |r| {
@@ -215,7 +254,7 @@ fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Opti
     // The first barrier after attaching the log scans once.
     region.barrier()?;
     let reach = len.min(REACH);
-    let mut g = Rng(0x1a46e ^ cs ^ u64::from(logged));
+    let mut g = Rng(0x1a46e ^ cs ^ kind as u64);
     let mut used = std::collections::HashSet::new();
     let mut id = 0u8;
     let mut rounds = |rounds: &mut Rounds| -> Res<()> {
@@ -293,10 +332,16 @@ fn variant(dir: &Path, cs: u64, large: u64, read: u64, logged: bool) -> Res<Opti
 }
 
 /// What reading the dirty log of an empty slot costs (`KVM_GET_DIRTY_LOG`
-/// and the walk of its bitmap): the part of a logged barrier that grows
-/// with the slot, not with what was written. p50 and min of 20 reads, ms.
-fn log_read_cost(gib: u64) -> Res<(f64, f64)> {
-    let vm = Vm::new(&VmConfig { ram_size: 2 << 20 })?;
+/// and the walk of its bitmap, or the collection of the rings): for the
+/// bitmap the part of a logged barrier that grows with the slot, not with
+/// what was written. p50 and min of 20 reads, ms.
+fn log_read_cost(gib: u64, kind: Kind) -> Res<(f64, f64)> {
+    let vm = Vm::new_with_log(&VmConfig { ram_size: 2 << 20 }, kind.choice())?;
+    if kind == Kind::Ring && vm.dirty_rings().is_none() {
+        return Err("no dirty ring".into());
+    }
+    // A vCPU, so that there is a ring to read.
+    let _cpu = vm.create_vcpu(0)?;
     let len = gib * GIB;
     // An anonymous reservation the guest never touches: only the slot's
     // size matters here.
@@ -353,16 +398,21 @@ fn main() -> Res<()> {
     let read = env_gib("PMEM_BENCH_LARGE_READ_GIB", 4);
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load before: {}", load.trim());
-    println!("| slot | KVM_GET_DIRTY_LOG and its bitmap, nothing written: p50 / min (ms) |");
-    println!("|---:|---:|");
+    println!("| slot | reading the log, nothing written, p50 / min (ms): KVM dirty bitmap | KVM dirty ring (one vCPU) |");
+    println!("|---:|---:|---:|");
     for gib in [1, 4, 16, 64] {
         if gib * GIB > large {
             break;
         }
-        match log_read_cost(gib) {
-            Ok((p50, min)) => println!("| {gib} GiB | {p50:.3} / {min:.3} |"),
-            Err(e) => println!("| {gib} GiB | {e} |"),
-        }
+        let cell = |kind| match log_read_cost(gib, kind) {
+            Ok((p50, min)) => format!("{p50:.3} / {min:.3}"),
+            Err(e) => e.to_string(),
+        };
+        println!(
+            "| {gib} GiB | {} | {} |",
+            cell(Kind::Bitmap),
+            cell(Kind::Ring)
+        );
     }
     println!();
     println!(
@@ -391,29 +441,27 @@ fn main() -> Res<()> {
             drop(base);
             let fl = floor(&dir.path().join("floor.img"), cs)?;
             let (fp50, fmax) = p50_max(fl);
-            let order = if cell % 2 == 0 {
-                [true, false]
-            } else {
-                [false, true]
-            };
+            // The variants' order rotates from cell to cell.
+            let mut order = vec![Kind::Ring, Kind::Bitmap, Kind::Scan];
+            order.rotate_left(cell % 3);
             cell += 1;
             let mut rows = Vec::new();
-            for logged in order {
-                if only_log && !logged {
+            for kind in order {
+                if only_log && kind == Kind::Scan {
                     continue;
                 }
-                if let Some(v) = variant(dir.path(), cs, large, read, logged)? {
-                    rows.push((logged, v));
+                if let Some(v) = variant(dir.path(), cs, large, read, kind)? {
+                    rows.push((kind, v));
                 }
             }
-            rows.sort_by_key(|r| !r.0);
-            for (logged, v) in rows {
+            rows.sort_by_key(|r| r.0);
+            for (kind, v) in rows {
                 let cold = p50_max(v.cold.total.clone()).0;
                 let warm = p50_max(v.warm.total.clone()).0;
                 println!(
                     "| {fs} | {} | {} | {} | {} | {} of 6 | {:.1} ({:.0} ms to read) | {} | {} | {fp50:.2} / {fmax:.2} | {:.2} / {:.2} |",
                     if cs == 64 << 10 { "64K" } else { "2M" },
-                    if logged { "KVM dirty log" } else { "page-table scan" },
+                    kind.name(),
                     v.cold.cell(),
                     v.cold.split(),
                     v.cold.logged + v.warm.logged,

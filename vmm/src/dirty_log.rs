@@ -9,7 +9,11 @@
 //! mapping is already writable), so a page is either marked or mapped
 //! read-only for the guest.
 //!
-//! Two ways to read it, chosen per VM ([`enable_manual_protect`]):
+//! Three ways to read it, chosen per VM ([`LogChoice`]): KVM's dirty ring
+//! ([`crate::dirty_ring`]: per-vCPU rings of the pages written, so a read
+//! costs what was written) where the host's KVM module is trusted to stop
+//! a vCPU at a full ring, else the slot's bitmap, in one of two ways
+//! ([`enable_manual_protect`]):
 //!
 //! - with `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` enabled (every host KVM of
 //!   this project has it), `KVM_GET_DIRTY_LOG` only copies the slot's

@@ -16,9 +16,9 @@
 //!
 //! A ring that fills up stops its vCPU: `KVM_RUN` returns
 //! `KVM_EXIT_DIRTY_RING_FULL` until the ring is collected and reset. The
-//! vCPU's thread does that itself ([`DirtyRings::collect`]), so the pages
+//! vCPU's thread does that itself ([`DirtyRings::collect_full`]), so the pages
 //! must be kept until a barrier asks for them: each logged slot has a
-//! [`Pending`] set (a bitmap with the list of its non-zero words), whose
+//! `Pending` set (a bitmap with the list of its non-zero words), whose
 //! size is fixed by the slot and whose reading costs what was written.
 //!
 //! The ring is chosen for a VM at its creation, before any vCPU exists

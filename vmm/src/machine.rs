@@ -752,7 +752,11 @@ impl Machine {
                                 source: Box::new(e),
                             }
                         })?;
-                        log::info!("pmem {}: barriers follow KVM's dirty log", p.id);
+                        let how = match vm.dirty_rings() {
+                            Some(r) => format!("dirty ring ({} entries per vCPU)", r.entries()),
+                            None => "dirty bitmap".into(),
+                        };
+                        log::info!("pmem {}: barriers follow KVM's dirty log: its {how}", p.id);
                     }
                     slot
                 }
