@@ -552,3 +552,95 @@ fn a_full_dirty_ring_stops_the_vcpu_and_loses_no_page() {
         libc::munmap(host_b, LEN as usize);
     }
 }
+
+/// A barrier after the guest wrote more pages than its ring holds: every
+/// page of private clusters (over the base) written once. Where KVM stops
+/// the vCPU at a full ring (upstream's kvm-amd), the vCPU's thread
+/// collects, the guest finishes and the barrier follows the log; where KVM
+/// overflows the ring (the host's kvm_pvm), the vCPU ends with an error
+/// and the barrier must scan instead. Either way the image afterwards
+/// holds exactly what the region showed before it was closed, and checks
+/// clean.
+#[test]
+fn a_barrier_after_a_full_ring_keeps_every_write() {
+    let test = "a_barrier_after_a_full_ring_keeps_every_write";
+    let Some(vm) = vm_for(test, LogChoice::Ring(4096)) else {
+        return;
+    };
+    if !uffd_or_skip(test) {
+        return;
+    }
+    let entries = vm.dirty_rings().map_or(0, |r| r.entries());
+    let dir = tempfile::tempdir().unwrap();
+    let path = make_image(dir.path());
+    let ctl = VcpuControl::new().unwrap();
+    let (region, monitor) = PcowRegion::open(&path, ctl.clone(), &RegionOptions::default())
+        .unwrap_or_else(|e| panic!("open region: {}", chain(&e)));
+    let monitor = MonitorThread::spawn("pmem0-fault", Arc::new(monitor), |_| {}).unwrap();
+    let gpa = vm.next_region_gpa().unwrap();
+    let (host, len) = (region.host_addr(), region.len());
+    // SAFETY: the region stays mapped until after the memslot is dropped
+    // (`slot` is dropped first, below).
+    let slot = unsafe { vm.add_logged_region(gpa, host, len) }.unwrap();
+    region
+        .attach_write_log(Arc::new(slot.write_log().unwrap()))
+        .unwrap();
+    // The first barrier after attaching scans; the next follow the log.
+    region.barrier().unwrap();
+    // Every page of the base's clusters: more pages than the ring holds.
+    let pages = DATA * K64 / PAGE;
+    assert!(pages > u64::from(entries), "{pages} pages, ring {entries}");
+    let guest = TestGuest {
+        checks: vec![Step::from(Check {
+            gpa,
+            qwords: DATA * K64 / 8,
+            seed: 77,
+            stride: STRIDE,
+            write: true,
+        })],
+        idle: None,
+    };
+    let loaded = guest.load(vm.memory(), gpa + len).unwrap();
+    let cpu = vm.create_vcpu(0).unwrap();
+    loaded.configure(&cpu).unwrap();
+    let port = Port::default();
+    let t = vcpu::spawn(cpu, ctl.clone(), Box::new(port.clone())).unwrap();
+    let run = t.join();
+    let rs = vm.dirty_rings().unwrap().stats();
+    let s = region
+        .barrier()
+        .unwrap_or_else(|e| panic!("barrier: {}", chain(&e)));
+    eprintln!(
+        "{test}: ring {entries}, {pages} pages, vCPU {}, rings {rs:?}, barrier {s:?}",
+        match &run {
+            Ok(r) => format!("{r:?}"),
+            Err(e) => chain(e),
+        }
+    );
+    if rs.overflows == 0 {
+        let (stop, stats) = run.unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
+        assert_eq!(stop, VcpuStop::Halted);
+        assert!(stats.ring_full >= 1, "{stats:?}");
+        assert!(s.write_log, "the barrier followed the log: {s:?}");
+        assert_eq!(s.pages_copied, pages, "{s:?}");
+    } else {
+        assert!(!host_stops_full_rings(), "{rs:?}");
+        assert!(!s.write_log, "after an overflow the barrier scans: {s:?}");
+    }
+    let mut shown = vec![0u8; (CLUSTERS * K64) as usize];
+    // SAFETY: the region is mapped for `len` bytes (at least the image's
+    // virtual size) and its only writer, the vCPU, has ended.
+    unsafe { std::ptr::copy_nonoverlapping(host, shown.as_mut_ptr(), shown.len()) };
+    drop(slot);
+    drop(monitor);
+    drop(region);
+    let got = read_all(&path);
+    if let Some(i) = got.iter().zip(&shown).position(|(a, b)| a != b) {
+        panic!(
+            "image differs from what the guest saw at {i:#x} (page {})",
+            i as u64 / PAGE
+        );
+    }
+    let r = pcow::check::check(&path, None, false).unwrap();
+    assert!(r.is_clean(), "check: {r:?}");
+}
