@@ -192,25 +192,17 @@ impl Vm {
 
     /// [`Vm::new`] with an already open `/dev/kvm`.
     pub fn with_kvm(kvm: Kvm, config: &VmConfig) -> Result<Vm, VmError> {
-        let size = config.ram_size;
-        if size == 0 || !size.is_multiple_of(PAGE) || size > MAX_RAM {
-            return Err(VmError::RamSize { size, max: MAX_RAM });
-        }
-        let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size as usize)])
-            .map_err(VmError::GuestMemory)?;
-        Self::with_memory(kvm, memory)
-    }
-
-    /// A VM whose guest RAM is `memory` (a restored snapshot's: copied or
-    /// mapped from `memory-ranges`), which must start at guest address 0
-    /// and fit under [`MAX_RAM`].
-    pub fn with_memory(kvm: Kvm, memory: GuestMemoryMmap) -> Result<Vm, VmError> {
-        Self::with_memory_log(kvm, memory, LogChoice::default())
+        Self::with_kvm_log(kvm, config, LogChoice::default())
     }
 
     /// [`Vm::new`] with logged slots read as `choice` says.
     pub fn new_with_log(config: &VmConfig, choice: LogChoice) -> Result<Vm, VmError> {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        Self::with_kvm_log(kvm, config, choice)
+    }
+
+    /// [`Vm::with_kvm`] with logged slots read as `choice` says.
+    pub fn with_kvm_log(kvm: Kvm, config: &VmConfig, choice: LogChoice) -> Result<Vm, VmError> {
         let size = config.ram_size;
         if size == 0 || !size.is_multiple_of(PAGE) || size > MAX_RAM {
             return Err(VmError::RamSize { size, max: MAX_RAM });
@@ -218,6 +210,13 @@ impl Vm {
         let memory = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), size as usize)])
             .map_err(VmError::GuestMemory)?;
         Self::with_memory_log(kvm, memory, choice)
+    }
+
+    /// A VM whose guest RAM is `memory` (a restored snapshot's: copied or
+    /// mapped from `memory-ranges`), which must start at guest address 0
+    /// and fit under [`MAX_RAM`].
+    pub fn with_memory(kvm: Kvm, memory: GuestMemoryMmap) -> Result<Vm, VmError> {
+        Self::with_memory_log(kvm, memory, LogChoice::default())
     }
 
     /// [`Vm::with_memory`] with logged slots read as `choice` says.
