@@ -226,11 +226,7 @@ fn barriers_miss_no_guest_write(test: &str, choice: LogChoice) {
         checks: steps,
         idle: None,
     };
-    let loaded = guest.load(vm.memory(), gpa + len).unwrap();
-    let cpu = vm.create_vcpu(0).unwrap();
-    loaded.configure(&cpu).unwrap();
-    let port = Port::default();
-    let t = vcpu::spawn(cpu, ctl.clone(), Box::new(port.clone())).unwrap();
+    let (t, port) = start(&vm, &guest, gpa + len, 0, ctl.clone());
 
     port.wait(phase1.len() + 1, &t, "phase 1");
     for (off, c) in &phase1 {
@@ -324,6 +320,23 @@ fn barriers_miss_no_guest_write(test: &str, choice: LogChoice) {
     eprintln!("{test}: {} clusters allocated", img.allocated_clusters());
 }
 
+/// Loads `guest` (its page tables reaching `end`) and runs it on a new
+/// vCPU `id` under `ctl`: the vCPU's thread and the port it reports to.
+fn start(
+    vm: &Vm,
+    guest: &TestGuest,
+    end: u64,
+    id: u8,
+    ctl: Arc<VcpuControl>,
+) -> (vcpu::VcpuThread, Port) {
+    let loaded = guest.load(vm.memory(), end).unwrap();
+    let cpu = vm.create_vcpu(id).unwrap();
+    loaded.configure(&cpu).unwrap();
+    let port = Port::default();
+    let t = vcpu::spawn(cpu, ctl, Box::new(port.clone())).unwrap();
+    (t, port)
+}
+
 /// Runs the test guest once on a new vCPU: one byte into each of `pages`
 /// (page numbers of the slot at `gpa`), then halts. The vCPU's exit
 /// counters.
@@ -335,11 +348,7 @@ fn write_pages(vm: &Vm, id: u8, gpa: u64, len: u64, pages: &[u64], value: u64) -
             .collect(),
         idle: None,
     };
-    let loaded = guest.load(vm.memory(), gpa + len).unwrap();
-    let cpu = vm.create_vcpu(id).unwrap();
-    loaded.configure(&cpu).unwrap();
-    let port = Port::default();
-    let t = vcpu::spawn(cpu, VcpuControl::new().unwrap(), Box::new(port.clone())).unwrap();
+    let (t, port) = start(vm, &guest, gpa + len, id, VcpuControl::new().unwrap());
     let (_, stats) = t.join().unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
     let r = port.0.lock().unwrap().clone();
     assert!(
@@ -483,11 +492,7 @@ fn a_full_dirty_ring_stops_the_vcpu_and_loses_no_page() {
             .collect(),
         idle: None,
     };
-    let loaded = guest.load(vm.memory(), gpa_a + LEN).unwrap();
-    let cpu = vm.create_vcpu(0).unwrap();
-    loaded.configure(&cpu).unwrap();
-    let port = Port::default();
-    let t = vcpu::spawn(cpu, VcpuControl::new().unwrap(), Box::new(port.clone())).unwrap();
+    let (t, port) = start(&vm, &guest, gpa_a + LEN, 0, VcpuControl::new().unwrap());
     let run = t.join();
     let rings = vm.dirty_rings().unwrap();
     let rs = rings.stats();
@@ -600,11 +605,7 @@ fn a_barrier_after_a_full_ring_keeps_every_write() {
         })],
         idle: None,
     };
-    let loaded = guest.load(vm.memory(), gpa + len).unwrap();
-    let cpu = vm.create_vcpu(0).unwrap();
-    loaded.configure(&cpu).unwrap();
-    let port = Port::default();
-    let t = vcpu::spawn(cpu, ctl.clone(), Box::new(port.clone())).unwrap();
+    let (t, port) = start(&vm, &guest, gpa + len, 0, ctl.clone());
     let run = t.join();
     let rs = vm.dirty_rings().unwrap().stats();
     let s = region
@@ -620,6 +621,11 @@ fn a_barrier_after_a_full_ring_keeps_every_write() {
     if rs.overflows == 0 {
         let (stop, stats) = run.unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
         assert_eq!(stop, VcpuStop::Halted);
+        let r = port.0.lock().unwrap().clone();
+        assert!(
+            matches!(r.as_slice(), [Report::Pass(_), Report::Done(1)]),
+            "the guest's writes: {r:?}"
+        );
         assert!(stats.ring_full >= 1, "{stats:?}");
         assert!(s.write_log, "the barrier followed the log: {s:?}");
         assert_eq!(s.pages_copied, pages, "{s:?}");
