@@ -343,16 +343,16 @@ def section(parsed, log, kvm=None):
 
             rows.append((v, st, col))
         if rows:
-            w("Per FLUSH, microseconds, mean / p50 / p90 (the probe's instants; a step a raw FLUSH does not have is `-`):")
-            w("")
-            w("| step | " + " | ".join(v for v, _, _ in rows) + " |")
-            w("| --- | " + " | ".join("---" for _ in rows) + " |")
             for v, st, _ in rows:
                 nu = sum(1 for x in st if x.get("unheld") is True)
                 nh = sum(1 for x in st if x.get("unheld") is False)
                 if nu or nh:
                     w(f"{v}: {nu} of {len(st)} FLUSHes ran unheld (the vCPU not held), {nh} held.")
                     w("")
+            w("Per FLUSH, microseconds, mean / p50 / p90 (the probe's instants; a step a raw FLUSH does not have is `-`):")
+            w("")
+            w("| step | " + " | ".join(v for v, _, _ in rows) + " |")
+            w("| --- | " + " | ".join("---" for _ in rows) + " |")
             for key, text in [
                 ("total", "the queue thread woken -> the FLUSH answered (used ring + interrupt)"),
                 ("total_unheld", "  the same, unheld FLUSHes only"),

@@ -175,7 +175,9 @@ class Breakdown(unittest.TestCase):
                            + ["GB-PROF-LOG-END"]) + "\r\n"
         rc, out = run(log)
         self.assertEqual(rc, 0, out)
-        self.assertIn("pcow-snap: 3 of 4 FLUSHes ran unheld (the vCPU not held), 1 held.", out)
+        self.assertIn("pcow-snap: 3 of 4 FLUSHes ran unheld (the vCPU not held), 1 held.\n\nPer FLUSH", out)
+        # the table's rows follow its header with nothing between them
+        self.assertIn("| --- | --- |\n| the queue thread woken", out)
         self.assertEqual(row(out, "|   the same, unheld FLUSHes only")[1], "1000 / 1000 / 1000")
         self.assertEqual(row(out, "|   handler -> the barrier lock taken")[1], "10 / 10 / 10")
         self.assertEqual(row(out, "|   the state lock taken")[1], "20 / 20 / 20")
