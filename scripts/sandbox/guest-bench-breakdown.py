@@ -9,11 +9,17 @@ The VMM's lines it reads:
 - `pmem FLUSH barrier: ... held_us= scan_us= [copy_us= commit_us=]` (the
   device's debug line, one per FLUSH of a pcow device);
 - `pmem probe flush: wake= flush0= pause0= paused= vcpu_paused= released=
-  vcpu_resumed= commit0= commit1= barrier1= flush1= done= kicks=` and
-  `pmem probe faults: n= at= resolve_us= with_refill_us= polled=`: the
-  instants (microseconds on one clock) and the fault monitor's service time
-  that scripts/sandbox/guest-bench-timing.patch adds to the VMM. Without the
-  patch only the barrier lines are there, and the tables say so.
+  vcpu_resumed= commit0= commit1= barrier1= flush1= done= kicks=` (the
+  current patch adds `serial= locked= decided= unheld= relocked= csync1=
+  cheader= csync2=`: the barrier lock, the state lock and the write log
+  read on both paths, unheld or held, and the commit's syncs) and
+  `pmem probe faults: n= at= resolve_us= with_refill_us= polled=` (with
+  `lock_us= map_us= wake_us=`, and now `mmap_us= mmaps= writes= ahead=`:
+  the expansion windows): the instants (microseconds on one clock) and the
+  fault monitor's service time that scripts/sandbox/guest-bench-timing.patch
+  adds to the VMM. Lines of the older patch (no `decided=`) are read as
+  before. Without the patch only the barrier lines are there, and the
+  tables say so.
 - `a vCPU ended: ... pauses: N ...` and `pmem ...: faults: ...` at exit.
 
 Usage: guest-bench-breakdown.py LOG [--into DOC]
@@ -81,6 +87,9 @@ def fio_of(lines):
         return None
 
 
+FAULT_KEYS = ("n", "resolve_us", "lock_us", "map_us", "mmap_us", "mmaps", "wake_us", "writes", "ahead")
+
+
 def parse_boot(text):
     """Per job: the FLUSH probe lines, the barrier lines, the fault batches
     and fio's JSON; and the boot's exit counters."""
@@ -125,7 +134,7 @@ def parse_boot(text):
             jobs[job]["barrier"].append(dict(KV.findall(line.split("pmem FLUSH barrier:", 1)[1])))
         elif "pmem probe faults:" in line:
             f = dict(KV.findall(line.split("pmem probe faults:", 1)[1]))
-            jobs[job]["faults"].append({k: int(f[k]) for k in ("n", "resolve_us", "lock_us", "map_us", "wake_us") if k in f})
+            jobs[job]["faults"].append({k: int(f[k]) for k in FAULT_KEYS if k in f})
     for j, d in jobs.items():
         b, e = snaps.get((j, "BEGIN")), snaps.get((j, "END"))
         d["kvm"] = {k: e[k] - b.get(k, 0) for k in e} if b and e else None
@@ -152,6 +161,9 @@ def flush_steps(fl):
     for f in fl:
         s = {"total": f["done"] - f["wake"], "to_handler": f["flush0"] - f["wake"], "handler": f["flush1"] - f["flush0"],
              "answer": f["done"] - f["flush1"]}
+        if f.get("decided", 0) >= f["flush0"]:
+            steps.append(barrier_steps(s, f))
+            continue
         if f.get("pause0", 0) >= f["flush0"]:
             s["before_hold"] = f["pause0"] - f["flush0"]
             s["pause"] = f["paused"] - f["pause0"]
@@ -176,6 +188,61 @@ def flush_steps(fl):
             s["kicked"] = f["kicks"] - prev
         prev = f["kicks"]
     return steps
+
+
+def barrier_steps(s, f):
+    """A FLUSH's barrier steps from the current probe's instants (both
+    paths: `unheld=1` staged its commit with the vCPU running, `unheld=0`
+    held it). A step the FLUSH did not take is left out."""
+    fl = f["flush0"]
+    s["before_lock"] = f["serial"] - fl
+    s["lock"] = f["locked"] - f["serial"]
+    s["log_read"] = f["decided"] - f["locked"]
+    staged = f["staged"] if f.get("staged", 0) >= f["decided"] else None
+    if f.get("unheld") == 1:
+        s["unheld"] = True
+        s["total_unheld"] = s["total"]
+        if staged is not None:
+            s["u_stage"] = staged - f["decided"]
+        end_of_hold = staged
+    else:
+        s["unheld"] = False
+        s["total_held"] = s["total"]
+        s["before_hold"] = f["pause0"] - f["decided"]
+        s["pause"] = f["paused"] - f["pause0"]
+        s["kicked"] = None
+        s["held"] = f["released"] - f["paused"]
+        if staged is not None and f.get("moved", 0) >= f["paused"]:
+            s["h_prepare"] = f["prepared"] - f["paused"]
+            s["h_quiet"] = f["quiet"] - f["prepared"]
+            s["h_move"] = f["moved"] - f["quiet"]
+            s["h_stage"] = staged - f["moved"]
+            s["h_release"] = f["released"] - staged
+        s["vcpu_paused_in_hold"] = f["pause0"] <= f["vcpu_paused"] <= f["paused"]
+        end_of_hold = f["released"]
+    c0 = f["commit0"]
+    if end_of_hold is not None and c0 >= end_of_hold:
+        s["commit"] = f["commit1"] - c0
+        # The commit's own steps: a sync before the header (when there was
+        # data or slots to sync), then the header and its sync (when the
+        # metadata changed); a stamp older than the commit is a step it
+        # did not take.
+        sync1 = f["csync1"] if f.get("csync1", 0) >= c0 else None
+        if sync1 is not None:
+            s["c_sync1"] = sync1 - c0
+        if f.get("cheader", 0) >= c0 and f.get("csync2", 0) >= c0:
+            s["c_header"] = f["cheader"] - (sync1 if sync1 is not None else c0)
+            s["c_sync2"] = f["csync2"] - f["cheader"]
+            s["c_two_syncs"] = sync1 is not None
+        else:
+            s["c_two_syncs"] = False
+        s["relock"] = f["relocked"] - f["commit1"]
+        s["after"] = f["barrier1"] - f["relocked"]
+    elif end_of_hold is not None:
+        s["commit"] = 0
+        s["after"] = f["barrier1"] - end_of_hold
+    s["to_return"] = f["flush1"] - f["barrier1"]
+    return s
 
 
 def fio_numbers(fio, job):
@@ -276,15 +343,27 @@ def section(parsed, log, kvm=None):
 
             rows.append((v, st, col))
         if rows:
+            for v, st, _ in rows:
+                nu = sum(1 for x in st if x.get("unheld") is True)
+                nh = sum(1 for x in st if x.get("unheld") is False)
+                if nu or nh:
+                    w(f"{v}: {nu} of {len(st)} FLUSHes ran unheld (the vCPU not held), {nh} held.")
+                    w("")
             w("Per FLUSH, microseconds, mean / p50 / p90 (the probe's instants; a step a raw FLUSH does not have is `-`):")
             w("")
             w("| step | " + " | ".join(v for v, _, _ in rows) + " |")
             w("| --- | " + " | ".join("---" for _ in rows) + " |")
             for key, text in [
                 ("total", "the queue thread woken -> the FLUSH answered (used ring + interrupt)"),
+                ("total_unheld", "  the same, unheld FLUSHes only"),
+                ("total_held", "  the same, held FLUSHes only"),
                 ("to_handler", "woken -> the FLUSH handler (device lock, the chain parsed)"),
                 ("handler", "the handler: the barrier (pcow) or fdatasync (raw)"),
-                ("before_hold", "  handler -> the hold asked (the barrier lock)"),
+                ("before_lock", "  handler -> the barrier lock taken"),
+                ("lock", "  the state lock taken, the pool's refills applied"),
+                ("log_read", "  the write log read under the state lock (hold or not decided)"),
+                ("u_stage", "  unheld: the commit staged under the state lock, the vCPU running"),
+                ("before_hold", "  held: -> the hold asked"),
                 ("pause", "  the hold: vCPU out of KVM_RUN and parked (kick, wait)"),
                 ("held", "  vCPU held (the device's held_us):"),
                 ("h_prepare", "    the state lock, the pool's refills applied"),
@@ -293,12 +372,22 @@ def section(parsed, log, kvm=None):
                 ("h_stage", "    the commit staged (metadata written, no sync)"),
                 ("h_release", "    the vCPU released"),
                 ("commit", "  commit: sync, header write, sync (0: nothing to commit)"),
-                ("after", "  after: the state lock again, finish, pool refill request"),
+                ("c_sync1", "    the first sync (data and metadata slots)"),
+                ("c_header", "    the header written (only when the metadata changed)"),
+                ("c_sync2", "    the second sync (the header)"),
+                ("relock", "  the state lock again (waiting for the monitor or the pool)"),
+                ("after", "  after: finish (publish), pool refill request"),
                 ("to_return", "  the barrier returned -> the handler returned (its log line)"),
                 ("answer", "the handler returned -> the FLUSH answered"),
             ]:
                 w(f"| {text} | " + " | ".join(col(key) for _, _, col in rows) + " |")
             for v, st, _ in rows:
+                c2 = [s["c_two_syncs"] for s in st if "c_two_syncs" in s]
+                if c2:
+                    w("")
+                    w(f"{v}: {sum(c2)} of {len(c2)} commits wrote a header (two syncs), "
+                      f"{len(c2) - sum(c2)} synced once (no metadata change); "
+                      f"{sum(1 for s in st if s.get('commit') == 0)} FLUSHes had nothing to commit.")
                 k = [s["kicked"] for s in st if s.get("kicked") is not None]
                 inhold = [s["vcpu_paused_in_hold"] for s in st if "vcpu_paused_in_hold" in s]
                 if inhold:
@@ -311,10 +400,19 @@ def section(parsed, log, kvm=None):
             nf = sum(b["n"] for b in fb)
             if nf and any("map_us" in b for b in fb):
                 tot = lambda k: sum(b.get(k, 0) for b in fb)
+                windows = any("ahead" in b for b in fb)
                 w(f"{v}: the fault monitor served {nf} faults in {len(fb)} batches; per fault, mean: "
                   f"{tot('resolve_us') / nf:.0f} us from reading the fault to its wake done, of which the state lock "
-                  f"{tot('lock_us') / nf:.0f} us, taking and mapping the cluster (`map_fresh`: mmap MAP_FIXED) "
-                  f"{tot('map_us') / nf:.0f} us, `UFFDIO_WAKE` {tot('wake_us') / nf:.0f} us.")
+                  f"{tot('lock_us') / nf:.0f} us, "
+                  + (f"`map_fresh` (the window's holes chosen, clusters taken from the pool and mapped) "
+                     f"{tot('map_us') / nf:.0f} us (of it the mmaps MAP_FIXED {tot('mmap_us') / nf:.0f} us)"
+                     if windows else f"taking and mapping the cluster (`map_fresh`: mmap MAP_FIXED) {tot('map_us') / nf:.0f} us")
+                  + f", `UFFDIO_WAKE` {tot('wake_us') / nf:.0f} us.")
+                if windows:
+                    nw = tot("writes")
+                    w(f"Of them {nw} write faults into holes, which mapped {tot('ahead')} clusters ahead "
+                      f"(expansion windows) in {tot('mmaps')} mmaps: "
+                      f"{(nw + tot('ahead')) / nw if nw else 0:.1f} clusters per write fault.")
                 w("")
         bars = [(v, js[job]["barrier"]) for v, _, (js, _) in parsed if job in js and js[job]["barrier"]]
         for v, b in bars:

@@ -48,6 +48,33 @@ def flush_line(base, pcow):
         f"{k}={v}" for k, v in t.items())
 
 
+def flush_line_v2(base, unheld, header):
+    """A line of the current probe: woken at BASE, handler at +100, the
+    barrier lock at +110, the state lock at +130, the log read at +150;
+    unheld: staged at +250, the commit from +300; held: the hold asked at
+    +160, held at +400, pages moved at +430, staged at +460, released at
+    +500, the commit from +510. The commit: its first sync 40 us, with
+    HEADER the header 10 us and its sync 30 us; then the state lock again
+    20 us, publish 10 us; answered at +1000."""
+    t = dict(wake=base, flush0=base + 100, serial=base + 110, locked=base + 130, decided=base + 150,
+             unheld=1 if unheld else 0, kicks=0, vcpu_resumed=0)
+    if unheld:
+        t.update(pause0=0, paused=0, vcpu_paused=0, prepared=0, quiet=0, moved=0, released=0, staged=base + 250)
+        c0 = base + 300
+    else:
+        t.update(pause0=base + 160, paused=base + 400, vcpu_paused=base + 300, prepared=base + 410,
+                 quiet=base + 420, moved=base + 430, staged=base + 460, released=base + 500)
+        c0 = base + 510
+    t.update(commit0=c0, csync1=c0 + 40, cheader=(c0 + 50) if header else 0, csync2=(c0 + 80) if header else 0)
+    t["commit1"] = c0 + (80 if header else 40)
+    t["relocked"] = t["commit1"] + 20
+    t["barrier1"] = t["relocked"] + 10
+    t["flush1"] = t["barrier1"] + 5
+    t["done"] = base + 1000
+    return "[2026-11-26T10:00:00.000Z DEBUG vmm::pmem_threads] pmem probe flush: " + " ".join(
+        f"{k}={v}" for k, v in t.items())
+
+
 def boot_text(pcow):
     lines = ["GB-MOUNT /dev/pmem0 /mnt/pmem ext4 rw,dax=always 0 0", "GB-JOB-BEGIN job=fsync",
              "GB-KVM-SNAP GB-JOB-BEGIN job=fsync at=1.0 exits=100 pf_fixed=50 signal_exits=0"]
@@ -132,6 +159,46 @@ class Breakdown(unittest.TestCase):
         self.assertEqual(row(out, "| exits |")[1:], ["20.0", "10.0"])
         self.assertEqual(row(out, "| signal_exits |")[1:], ["2.0", "0.0"])
         self.assertEqual(row(out, "| pf_fixed |")[1:], ["7.0", "7.0"])
+
+    def test_current_probe_unheld_and_held_flushes_and_windows(self):
+        lines = ["GB-JOB-BEGIN job=fsync"]
+        # three unheld FLUSHes (two with a header), one held (with a header)
+        lines += [flush_line_v2(10000, True, True), flush_line_v2(20000, True, False),
+                  flush_line_v2(30000, True, True), flush_line_v2(40000, False, True)]
+        lines += ["[... DEBUG virtio_pmem_pcow::fault] pmem probe faults: n=1 at=5 resolve_us=3000 with_refill_us=3100 "
+                  "polled=false lock_us=10 map_us=2000 mmap_us=1500 mmaps=1 wake_us=900 writes=1 ahead=31",
+                  "[... DEBUG virtio_pmem_pcow::fault] pmem probe faults: n=1 at=9 resolve_us=1000 with_refill_us=1000 "
+                  "polled=false lock_us=0 map_us=600 mmap_us=500 mmaps=1 wake_us=300 writes=1 ahead=0"]
+        lines += ["GB-JOB-END job=fsync"] + fio("fsync", 2, 5000, 30000)
+        text = "\n".join(lines) + "\n"
+        log = "\r\n".join(["GB-PROF-LOG-BEGIN variant=pcow-snap rc=0 guest=ok wall=30.5"] + b64(text.encode())
+                           + ["GB-PROF-LOG-END"]) + "\r\n"
+        rc, out = run(log)
+        self.assertEqual(rc, 0, out)
+        self.assertIn("pcow-snap: 3 of 4 FLUSHes ran unheld (the vCPU not held), 1 held.\n\nPer FLUSH", out)
+        # the table's rows follow its header with nothing between them
+        self.assertIn("| --- | --- |\n| the queue thread woken", out)
+        self.assertEqual(row(out, "|   the same, unheld FLUSHes only")[1], "1000 / 1000 / 1000")
+        self.assertEqual(row(out, "|   handler -> the barrier lock taken")[1], "10 / 10 / 10")
+        self.assertEqual(row(out, "|   the state lock taken")[1], "20 / 20 / 20")
+        self.assertEqual(row(out, "|   the write log read")[1], "20 / 20 / 20")
+        self.assertEqual(row(out, "|   unheld: the commit staged")[1], "100 / 100 / 100")
+        self.assertEqual(row(out, "|   held: -> the hold asked")[1], "10 / 10 / 10")
+        self.assertEqual(row(out, "|   the hold: vCPU")[1], "240 / 240 / 240")
+        self.assertEqual(row(out, "|     the written pages found")[1], "10 / 10 / 10")
+        self.assertEqual(row(out, "|     the first sync")[1], "40 / 40 / 40")
+        self.assertEqual(row(out, "|     the header written")[1], "10 / 10 / 10")
+        self.assertEqual(row(out, "|     the second sync")[1], "30 / 30 / 30")
+        # commits: 80, 40, 80, 80 us
+        self.assertEqual(row(out, "|   commit:")[1], "70 / 80 / 80")
+        self.assertEqual(row(out, "|   the state lock again")[1], "20 / 20 / 20")
+        self.assertEqual(row(out, "|   after: finish")[1], "10 / 10 / 10")
+        self.assertIn("3 of 4 commits wrote a header (two syncs), 1 synced once", out)
+        self.assertIn("per fault, mean: 2000 us from reading the fault to its wake done, of which the state lock 5 us, "
+                      "`map_fresh` (the window's holes chosen, clusters taken from the pool and mapped) 1300 us "
+                      "(of it the mmaps MAP_FIXED 1000 us), `UFFDIO_WAKE` 600 us.", out)
+        self.assertIn("Of them 2 write faults into holes, which mapped 31 clusters ahead (expansion windows) in 2 mmaps: "
+                      "16.5 clusters per write fault.", out)
 
     def test_into_replaces_the_section_in_place(self):
         doc = "# d\n\n## Results\n\nr\n\n" + TITLE + "\n\nold breakdown\n\n## Runs\n\nruns\n"

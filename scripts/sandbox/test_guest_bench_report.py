@@ -167,6 +167,26 @@ class Report(unittest.TestCase):
         rc, out = run_report(lines, rounds=1, doc="# old\n\n## Runs\n")
         self.assertNotIn("timed FLUSHes", out.split("=== DOC ===\n", 1)[1])
 
+    def test_earlier_full_run_is_kept_while_variants_are_left_out(self):
+        lines = boot(1, "raw-dax", {"randread": 1000, "fsync": 50})
+        lines += boot(1, "pcow-snap", {"randread": 900, "fsync": 40})
+        earlier = "## Earlier run: all six variants (run of 13:31, commit `45884e3`)\n\n| qcow2-snap | 421 |\n"
+        old = "# old\n\n## Results\n\nold numbers\n\n" + earlier + "\n## Which way emulation bends each ratio\n\nx\n\n## Runs\n"
+        rc, out = run_report(lines, rounds=1, doc=old)
+        self.assertEqual(rc, 0, out)
+        doc = out.split("=== DOC ===\n", 1)[1]
+        self.assertEqual(doc.count("| qcow2-snap | 421 |"), 1)
+        self.assertLess(doc.index("## Against issue 20"), doc.index("## Earlier run: all six variants (run of 13:31"))
+        self.assertLess(doc.index("## Earlier run"), doc.index("## Which way emulation"))
+        # a run of every variant supersedes it
+        six = ["pcow-snap", "pcow-ovl", "raw-dax", "qcow2-snap", "qcow2-bak", "raw-blk"]
+        lines = []
+        for v in six:
+            lines += boot(1, v, {"randread": 1000, "fsync": 50})
+        rc, out = run_report(lines, variants=six, rounds=1, doc=old)
+        self.assertEqual(rc, 0, out)
+        self.assertNotIn("## Earlier run", out.split("=== DOC ===\n", 1)[1])
+
     def test_l1_restart_lines_and_a_hung_boot(self):
         # guest-bench.sh after L1 froze: the frozen boot retried in a new
         # L1 (its GB-START lines twice, a GB-HOST line) counts once ...
