@@ -74,7 +74,7 @@ pub enum DirtyRingError {
          may be missing"
     )]
     Overflowed { slot: u32 },
-    #[error("KVM reported a full dirty ring {0} times in a row with nothing in any ring")]
+    #[error("KVM reported a vCPU's dirty ring full {0} times in a row with nothing in it")]
     Stuck(u64),
     #[error("no memory for the pending pages of memslot {slot} ({pages} pages)")]
     Memory {
@@ -164,6 +164,7 @@ pub struct RingStats {
 /// One vCPU's ring, mapped from its fd.
 #[derive(Debug)]
 struct Ring {
+    vcpu: u8,
     base: NonNull<kvm_dirty_gfn>,
     entries: u32,
     /// The next entry to read (free-running; the index is taken modulo
@@ -172,6 +173,11 @@ struct Ring {
     /// KVM overflowed this ring once, so `fetch` may no longer be where
     /// KVM pushes: every collection reads the whole ring.
     whole: bool,
+    /// Entries the last collection read from this ring.
+    last_read: u32,
+    /// Full-ring exits of this ring's vCPU in a row that found nothing in
+    /// it to collect.
+    empty_full: u64,
 }
 
 // SAFETY: the mapping is shared memory owned by this struct; it is only
@@ -270,8 +276,6 @@ struct RingSet {
     rings: Vec<Ring>,
     slots: HashMap<u32, Pending>,
     stats: RingStats,
-    /// Full-ring exits in a row that found nothing to collect.
-    empty_full: u64,
 }
 
 /// The dirty rings of one VM's vCPUs and the pages collected from them,
@@ -294,7 +298,6 @@ impl DirtyRings {
                 rings: Vec::new(),
                 slots: HashMap::new(),
                 stats: RingStats::default(),
-                empty_full: 0,
             }),
         })
     }
@@ -340,10 +343,13 @@ impl DirtyRings {
             source: std::io::Error::from_raw_os_error(libc::EFAULT),
         })?;
         self.lock().rings.push(Ring {
+            vcpu,
             base,
             entries: self.entries,
             fetch: 0,
             whole: false,
+            last_read: 0,
+            empty_full: 0,
         });
         Ok(())
     }
@@ -365,40 +371,45 @@ impl DirtyRings {
         self.lock().slots.remove(&slot);
     }
 
-    /// Empties every ring into the slots' pending pages: what a vCPU does
-    /// when its ring is full before it runs again.
-    pub fn collect_full(&self) -> Result<(), DirtyRingError> {
+    /// Empties every ring into the slots' pending pages: what vCPU `vcpu`
+    /// does when its ring is full, before it runs again.
+    ///
+    /// Finding nothing in that ring happens once when another thread
+    /// collected it between the exit and this call; the vCPU then runs
+    /// (KVM sees the ring free) and cannot fill it again before its next
+    /// exit. A second such exit in a row means KVM wrote past the ring and
+    /// its index moved away from ours: every slot's next read fails, and
+    /// the rings are read whole from then on.
+    pub fn collect_full(&self, vcpu: u8) -> Result<(), DirtyRingError> {
         let mut set = self.lock();
         set.stats.full_exits += 1;
-        let read = self.collect_locked(&mut set)?;
-        if read == 0 {
-            // KVM says a ring is full and none has an entry where this
-            // side reads next: KVM wrote past a full ring and its index
-            // moved away from ours. Read whole rings from now on.
-            if set.rings.iter().any(|r| !r.whole) {
-                set.stats.overflows += 1;
-                log::warn!(
-                    "KVM reported a full dirty ring with no entry where it should be: it wrote \
-                     past the ring; pmem barriers scan their regions once"
-                );
-            }
+        self.collect_locked(&mut set)?;
+        let Some(i) = set.rings.iter().position(|r| r.vcpu == vcpu) else {
+            return Ok(());
+        };
+        if set.rings[i].last_read > 0 {
+            set.rings[i].empty_full = 0;
+            return Ok(());
+        }
+        set.rings[i].empty_full += 1;
+        let streak = set.rings[i].empty_full;
+        if streak == 2 && !set.rings[i].whole {
+            set.stats.overflows += 1;
+            log::warn!(
+                "KVM reported vCPU {vcpu}'s dirty ring full twice with no entry where it \
+                 should be: it wrote past the ring; pmem barriers scan their regions once"
+            );
             for ring in &mut set.rings {
                 ring.whole = true;
             }
             set.slots.values_mut().for_each(|p| p.lost = true);
-            if self.collect_locked(&mut set)? == 0 {
-                // Nothing dirty anywhere: let KVM reset what it still
-                // counts, and give up if that never frees the ring.
-                self.reset()?;
-                set.empty_full += 1;
-                if set.empty_full > STUCK_FULL_EXITS {
-                    return Err(DirtyRingError::Stuck(set.empty_full));
-                }
-                return Ok(());
-            }
+            self.collect_locked(&mut set)?;
         }
-        set.empty_full = 0;
-        Ok(())
+        if streak > STUCK_FULL_EXITS {
+            return Err(DirtyRingError::Stuck(streak));
+        }
+        // Let KVM reset what it still counts as taken.
+        self.reset()
     }
 
     /// Empties every ring, then calls `into` with each page of `slot`
@@ -443,7 +454,6 @@ impl DirtyRings {
             rings,
             slots,
             stats,
-            ..
         } = set;
         let mut read = 0u64;
         let mut overflowed = false;
@@ -501,6 +511,7 @@ impl DirtyRings {
                 overflowed |= found == ring.entries;
                 n += found;
             }
+            ring.last_read = n;
             read += u64::from(n);
         }
         stats.entries += read;

@@ -807,7 +807,7 @@ impl Vcpu {
                     ctl.handling(idx);
                     if let Some(rings) = &self.rings {
                         rings
-                            .collect_full()
+                            .collect_full(id)
                             .map_err(|source| VcpuError::DirtyRing { id, source })?;
                     }
                 }
