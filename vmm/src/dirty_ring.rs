@@ -460,10 +460,8 @@ impl DirtyRings {
         for ring in rings.iter_mut() {
             let mut record = |ring: &Ring, index: u32| {
                 let e = ring.entry(index);
-                // SAFETY: `e` is in the live mapping; KVM wrote slot and
-                // offset before it set the flag this thread read with
-                // acquire ordering, and does not touch them again until
-                // the entry is reset.
+                // SAFETY: `e` is in the live mapping; KVM wrote both fields
+                // before the flag read (acquire) and keeps them until reset.
                 let (slot, offset) = unsafe {
                     (
                         std::ptr::read_volatile(std::ptr::addr_of!((*e).slot)),
