@@ -55,7 +55,7 @@ use kvm_ioctls::VmFd;
 use std::os::fd::AsRawFd;
 use virtio_pmem_pcow::{WriteLog, WriteLogError};
 
-use crate::dirty_ring::{DirtyRingError, DirtyRings};
+use crate::dirty_ring::{page_bitmap, DirtyRingError, DirtyRings};
 
 /// `KVM_GET_DIRTY_LOG`: `_IOW(KVMIO, 0x42, struct kvm_dirty_log)`.
 const KVM_GET_DIRTY_LOG: libc::c_ulong = (1 << 30)
@@ -261,12 +261,8 @@ impl SlotLog {
                 Source::Ring(rings.clone())
             }
             VmLog::Bitmap { manual } => {
-                let count = pages.div_ceil(64) as usize;
-                let mut words = Vec::new();
-                words
-                    .try_reserve_exact(count)
-                    .map_err(|source| DirtyLogError::Memory { pages, source })?;
-                words.resize(count, 0);
+                let words =
+                    page_bitmap(pages).map_err(|source| DirtyLogError::Memory { pages, source })?;
                 Source::Bitmap(Bitmap {
                     vm,
                     slot,

@@ -211,6 +211,16 @@ impl Ring {
     }
 }
 
+/// A zeroed bitmap of one bit per page of a slot of `pages` pages, or the
+/// allocation's failure (a slot's size comes from outside).
+pub(crate) fn page_bitmap(pages: u64) -> Result<Vec<u64>, std::collections::TryReserveError> {
+    let words = pages.div_ceil(64) as usize;
+    let mut bits = Vec::new();
+    bits.try_reserve_exact(words)?;
+    bits.resize(words, 0);
+    Ok(bits)
+}
+
 /// The pages of one slot collected from the rings and not yet taken.
 #[derive(Debug)]
 pub(crate) struct Pending {
@@ -226,15 +236,11 @@ pub(crate) struct Pending {
 
 impl Pending {
     pub(crate) fn new(slot: u32, pages: u64) -> Result<Pending, DirtyRingError> {
-        let words = pages.div_ceil(64) as usize;
-        let mut bits = Vec::new();
-        bits.try_reserve_exact(words)
-            .map_err(|source| DirtyRingError::Memory {
-                slot,
-                pages,
-                source,
-            })?;
-        bits.resize(words, 0);
+        let bits = page_bitmap(pages).map_err(|source| DirtyRingError::Memory {
+            slot,
+            pages,
+            source,
+        })?;
         Ok(Pending {
             pages,
             bits,

@@ -802,14 +802,19 @@ impl Vcpu {
                 Ok(VcpuExit::Hlt) => return Ok((VcpuStop::Halted, stats)),
                 Ok(VcpuExit::Shutdown) => return Ok((VcpuStop::Shutdown, stats)),
                 Ok(VcpuExit::Intr) => stats.interrupted += 1,
-                Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) if self.rings.is_some() => {
+                Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) => {
+                    // Only a VM with rings gets this exit.
+                    let Some(rings) = &self.rings else {
+                        return Err(VcpuError::UnhandledExit {
+                            id,
+                            exit: "KVM_EXIT_DIRTY_RING_FULL without a dirty ring".into(),
+                        });
+                    };
                     stats.ring_full += 1;
                     ctl.handling(idx);
-                    if let Some(rings) = &self.rings {
-                        rings
-                            .collect_full(id)
-                            .map_err(|source| VcpuError::DirtyRing { id, source })?;
-                    }
+                    rings
+                        .collect_full(id)
+                        .map_err(|source| VcpuError::DirtyRing { id, source })?;
                 }
                 Ok(exit) => {
                     return Err(VcpuError::UnhandledExit {
