@@ -407,11 +407,14 @@ const PMEM_QUEUE_IOCTLS: &[u32] = &[
 ];
 
 /// A pcow device's fault monitor: fills holes with zeros (ZEROPAGE, COPY
-/// of a zero page where ZEROPAGE cannot) and wakes the faulting threads.
+/// of a zero page where ZEROPAGE cannot), copies in a cluster it cannot
+/// map (COPY; REGISTER when a mapping failed halfway and the hole is made
+/// anew) and wakes the faulting threads.
 const PMEM_FAULT_IOCTLS: &[u32] = &[
     dev(uffd::UFFDIO_ZEROPAGE),
     dev(uffd::UFFDIO_COPY),
     dev(uffd::UFFDIO_WAKE),
+    dev(uffd::UFFDIO_REGISTER),
 ];
 
 /// The `ioctl` requests `kind` may make (empty: no `ioctl` at all). The

@@ -179,4 +179,83 @@ fn scenario() {
     };
     assert_eq!(read(&top), 2);
     assert_eq!(read(&base), 1);
+
+    deferred_clusters(dir.path());
+}
+
+/// An image too scattered to map whole under a small mapping limit: the
+/// monitor maps its deferred clusters at their first access, counts the
+/// process's mappings near the limit and copies in the clusters past it,
+/// all under its filter.
+fn deferred_clusters(dir: &Path) {
+    let path = dir.join("scattered.pcow");
+    let (cs, n) = (4096u64, 1200u64);
+    let mut img = Image::create(
+        &path,
+        &CreateOptions {
+            virtual_size: Some(n * cs),
+            cluster_size: Some(cs),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // Every other cluster, backwards: no two neighbours in the file.
+    for vcn in (0..n / 2).rev().map(|i| 2 * i) {
+        img.write_at(&[(vcn % 251) as u8 + 1], vcn * cs).unwrap();
+    }
+    img.close().unwrap();
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .count() as u64;
+    let region_opts = RegionOptions {
+        thread_hook: Some(seccomp_filters::device_thread_hook()),
+        max_map_count: Some(maps + virtio_pmem_pcow::VMA_MARGIN + 200),
+        ..RegionOptions::default()
+    };
+    let (region, monitor) =
+        PcowRegion::open(&path, Arc::new(WriteGate::new()), &region_opts).unwrap();
+    let region = Arc::new(region);
+    let _fault = MonitorThread::spawn("pmem1-fault", Arc::new(monitor), |r| {
+        panic!("monitor: {r:?}")
+    })
+    .unwrap();
+    assert!(region.status().unwrap().deferred_at_open > 0);
+    let (base, len) = (region.host_addr() as usize, region.len() as usize);
+    let seen: Vec<u8> = on_thread(ThreadKind::Vcpu, move || {
+        (0..len)
+            .step_by(cs as usize)
+            // SAFETY: inside the region's mapping, which the region keeps
+            // while the caller holds it; the monitor serves the faults.
+            .map(|off| unsafe { std::ptr::read_volatile((base + off) as *const u8) })
+            .collect()
+    });
+    for (vcn, &b) in seen.iter().enumerate() {
+        let want = if vcn % 2 == 0 {
+            (vcn % 251) as u8 + 1
+        } else {
+            0
+        };
+        assert_eq!(b, want, "cluster {vcn}");
+    }
+    let f = region.status().unwrap().faults;
+    assert!(f.deferred_mapped > 0 && f.deferred_copied > 0, "{f:?}");
+    guest_writes(&region, 3);
+    let r = region.clone();
+    on_thread(ThreadKind::PmemQueue, move || r.barrier().unwrap());
+    drop(_fault);
+    drop(region);
+    let img = Image::open(
+        &path,
+        pcow::OpenOptions {
+            force_share: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    for vcn in 0..n {
+        let mut b = [0u8; 1];
+        img.read_at(&mut b, vcn * cs).unwrap();
+        assert_eq!(b[0], 3, "cluster {vcn} after the barrier");
+    }
 }

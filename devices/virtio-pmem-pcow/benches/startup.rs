@@ -2,8 +2,12 @@
 //! an image takes, and how many VMAs its region needs, for 10^3 .. 10^6
 //! allocated clusters, laid out in the file in the order of their virtual
 //! clusters (what `pcow-img compact` makes) or scattered (what a guest that
-//! writes in random order makes). What happens at and past
-//! `vm.max_map_count` is reported as the error the open returns.
+//! writes in random order makes). An image that needs more than half of
+//! the mappings `vm.max_map_count` leaves the process gets its shortest
+//! runs left unmapped at open (mapped at the first access); after the
+//! timed opens, one more open is served by a monitor thread and one byte
+//! of every cluster is read, timing those first accesses and counting how
+//! they were resolved (mapped, or copied in past the limit).
 //!
 //! Each image is written once through `pcow::Image::write_at` (one byte per
 //! cluster, which allocates the whole cluster) and closed; the open is then
@@ -29,7 +33,8 @@
 //! `STARTUP_BENCH_COUNTS` (allocated clusters, default
 //! `1000,10000,100000,1000000`), `STARTUP_BENCH_CLUSTER_KIB` (default 4),
 //! `STARTUP_BENCH_ROUNDS` (default 5), `STARTUP_BENCH_LAYOUTS` (`order`,
-//! `scattered` or both, the default), `STARTUP_BENCH_OUT` (a Markdown
+//! `scattered` or both, the default), `STARTUP_BENCH_READS=0` (no read of
+//! every cluster after the opens), `STARTUP_BENCH_OUT` (a Markdown
 //! table is written there as well as printed; default none).
 //! Nothing here asserts a timing.
 
@@ -116,6 +121,41 @@ fn open_once(path: &Path) -> Result<(f64, u64), String> {
     drop(monitor);
     drop(region);
     Ok((ms, vmas))
+}
+
+/// One more open, served by a monitor thread, then one byte read from
+/// each of the first `count` clusters (the guest's first access to every
+/// cluster, deferred ones included): (clusters deferred at open, read
+/// time in ms, deferred clusters mapped / copied in, VMAs after).
+fn first_reads(path: &Path, cs: u64, count: u64) -> Res<(u64, f64, u64, u64, u64)> {
+    let (region, monitor) =
+        PcowRegion::open(path, Arc::new(WriteGate::new()), &RegionOptions::default())?;
+    let served = MonitorThread::spawn("startup-reads", Arc::new(monitor), |r| {
+        if let MonitorReport::Failed(e) = r {
+            eprintln!("monitor: {}", error_report::chain(&e));
+        }
+    })?;
+    let deferred = region.status()?.deferred_at_open;
+    let base = region.host_addr();
+    let t = Instant::now();
+    let mut x = 0u8;
+    for vcn in 0..count.min(region.len() / cs) {
+        // SAFETY: inside the mapped region; a read of a mapped page or a
+        // fault the monitor serves has no other effect.
+        x ^= unsafe { std::ptr::read_volatile(base.add((vcn * cs) as usize)) };
+    }
+    std::hint::black_box(x);
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let st = region.status()?;
+    drop(served);
+    drop(region);
+    Ok((
+        deferred,
+        ms,
+        st.faults.deferred_mapped,
+        st.faults.deferred_copied,
+        st.vmas,
+    ))
 }
 
 /// The raw baseline: `mmap` of a sparse file of `len` bytes, in ms.
@@ -397,10 +437,11 @@ fn main() -> Res<()> {
     writeln!(md)?;
     writeln!(
         md,
-        "| allocated clusters | layout | image written (s) | file (MiB) | open + map p50 / max (ms) | raw mmap p50 (ms) | open / raw mmap | VMAs | outcome |"
+        "| allocated clusters | layout | image written (s) | file (MiB) | open + map p50 / max (ms) | raw mmap p50 (ms) | open / raw mmap | VMAs | outcome | clusters left unmapped at open | then a read of every cluster (ms): deferred ones mapped / copied in, VMAs after |"
     )?;
-    writeln!(md, "|---:|---|---:|---:|---:|---:|---:|---:|---|")?;
+    writeln!(md, "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")?;
     print!("{md}");
+    let first_read = env_or("STARTUP_BENCH_READS", "1") != "0";
     for &count in &counts {
         for scattered in [false, true] {
             if !layouts.contains(if scattered { "scattered" } else { "order" }) {
@@ -429,13 +470,19 @@ fn main() -> Res<()> {
             let raw_p50 = median(raw_times);
             let row = if times.is_empty() {
                 format!(
-                    "| {count} | {layout} | {written:.1} | {file_mib:.0} | - | {raw_p50:.3} | - | - | {outcome} |"
+                    "| {count} | {layout} | {written:.1} | {file_mib:.0} | - | {raw_p50:.3} | - | - | {outcome} | - | - |"
                 )
             } else {
                 let max = times.iter().copied().fold(0.0, f64::max);
                 let p50 = median(times);
+                let reads = if first_read {
+                    let (deferred, ms, mapped, copied, after) = first_reads(&img, cs, count)?;
+                    format!("{deferred} | {ms:.1}: {mapped} / {copied}, {after}")
+                } else {
+                    "- | -".to_string()
+                };
                 format!(
-                    "| {count} | {layout} | {written:.1} | {file_mib:.0} | {p50:.1} / {max:.1} | {raw_p50:.3} | {:.0} | {vmas} | {outcome} |",
+                    "| {count} | {layout} | {written:.1} | {file_mib:.0} | {p50:.1} / {max:.1} | {raw_p50:.3} | {:.0} | {vmas} | {outcome} | {reads} |",
                     p50 / raw_p50.max(1e-6)
                 )
             };

@@ -14,9 +14,10 @@ use crate::clusters::{push_run, Clusters};
 use crate::harvest::Tracking;
 use crate::mapping::{
     check_map_count, max_map_count, process_map_count, MapsError, Reservation, PAGE_SIZE,
+    VMA_MARGIN,
 };
 use crate::pagemap::{PageScanner, PagemapError};
-use crate::plan::{plan, Plan, RunKind};
+use crate::plan::{defer_short_runs, plan, Plan, RunKind};
 use crate::pool::{default_pool_bytes, PoolCtl, PoolOptions};
 use crate::state::{Counters, RegionState, Writable};
 use crate::uffd::{Uffd, UffdError};
@@ -176,15 +177,28 @@ pub(crate) fn build(
     // Every active cluster whole, so each maps shared as one piece.
     image.complete_active_clusters()?;
     image.flush()?;
-    let Plan { runs, clusters } =
-        plan(&image).map_err(|source| RegionError::StateMemory { clusters, source })?;
+    let mut plan = plan(&image).map_err(|source| RegionError::StateMemory { clusters, source })?;
 
     let max = match opts.max_map_count {
         Some(m) => m,
         None => max_map_count()?,
     };
-    let planned_vmas = runs.len() as u64;
     let in_use = process_map_count()?;
+    // An image whose clusters lie scattered over its file needs a mapping
+    // per cluster: past half of what the process has left, the shortest
+    // runs wait for the guest's first access (the other half is the
+    // room of the faults and barriers that map at run time).
+    let room = max.saturating_sub(in_use).saturating_sub(VMA_MARGIN);
+    let deferred = defer_short_runs(&mut plan, cs, room / 2);
+    if deferred > 0 {
+        log::info!(
+            "{deferred} scattered clusters are mapped at their first access \
+             (mapping all at open needs more than half of the {room} mappings \
+             vm.max_map_count={max} leaves; `pcow-img compact` makes them contiguous)"
+        );
+    }
+    let Plan { runs, clusters } = plan;
+    let planned_vmas = runs.len() as u64;
     check_map_count(planned_vmas, max, in_use)?;
 
     // Mapped pages must lie inside their files (a page past the end of
@@ -283,6 +297,7 @@ pub(crate) fn build(
         out_of_space: None,
         counters: Counters {
             planned_vmas,
+            deferred,
             ..Counters::default()
         },
         expand_window: (opts.expand_window.unwrap_or(DEFAULT_EXPAND_WINDOW) / cs).max(1),

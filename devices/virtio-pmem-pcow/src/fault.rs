@@ -23,6 +23,15 @@
 //! - a write fault that cannot get a cluster (a full disk, no writable
 //!   image) gets zeros: the guest keeps running, its write lands in a
 //!   private page that the next barrier moves (or fails to, reporting it).
+//! - any fault in a hole whose cluster the image holds (the open left it
+//!   unmapped because a scattered image needs too many mappings, see
+//!   [`crate::plan::defer_short_runs`], or a window's cluster allocated
+//!   ahead whose mapping failed) maps it as the open would have: shared
+//!   from the writable layer, private from a read-only one. When no
+//!   mapping is left under the process's limit, its data is copied into
+//!   the region's anonymous memory instead (`UFFDIO_COPY`), and the
+//!   cluster is handled from then on like a zero-mapped hole: a write
+//!   lands in a private page that the barrier moves.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,9 +40,12 @@ use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
 
+use pcow::{ClusterSource, LiveImage};
+
 use crate::clusters::{push_run, ClusterState, FileRun};
 use crate::fault_poll::FaultPoll;
 use crate::health::{is_out_of_space, Failure};
+use crate::plan::{plan_cluster, Run, RunKind};
 use crate::state::{top_fd, FaultCounters, NoImage, RegionState, Shared, Writable};
 use crate::thread_hook::ThreadHook;
 use crate::uffd::{Uffd, UffdError, EVENT_PAGEFAULT, MSG_SIZE, PAGEFAULT_FLAG_WRITE};
@@ -53,6 +65,26 @@ pub enum MonitorError {
         addr: u64,
         #[source]
         source: Box<MonitorError>,
+    },
+    #[error(
+        "fault at {addr:#x} in a cluster the region left unmapped, with no image to map it from"
+    )]
+    NoImage {
+        addr: u64,
+        #[source]
+        source: NoImage,
+    },
+    #[error("cluster {vcn}: reading its data to copy it into the region")]
+    ReadCluster {
+        vcn: u64,
+        #[source]
+        source: pcow::Error,
+    },
+    #[error("cluster {vcn}: restoring its hole after a mapping failed halfway")]
+    Restore {
+        vcn: u64,
+        #[source]
+        source: std::io::Error,
     },
 }
 
@@ -214,7 +246,13 @@ impl Monitor {
                         }
                         st.pool.note_failure(why)
                     }
-                    Ok(Resolved::Allocated | Resolved::Zeroed | Resolved::Woken) => {}
+                    Ok(
+                        Resolved::Allocated
+                        | Resolved::Zeroed
+                        | Resolved::Woken
+                        | Resolved::Mapped
+                        | Resolved::Copied,
+                    ) => {}
                     Err(e) => {
                         log::error!("userfaultfd: {e}");
                         first_err.get_or_insert(e);
@@ -279,6 +317,10 @@ enum Resolved {
     Woken,
     /// A write in a hole got zeros because no cluster could be mapped.
     Fallback(Failure),
+    /// A hole whose cluster the image holds got it mapped.
+    Mapped,
+    /// A hole whose cluster the image holds got its data copied in.
+    Copied,
 }
 
 /// Resolves one fault at `addr`.
@@ -288,6 +330,11 @@ fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolve
         .vcn_at(addr)
         .ok_or(MonitorError::OutsideRegion { addr })?;
     let (start, cs) = st.view.span(vcn, vcn + 1);
+    if st.view.clusters.get(vcn) == ClusterState::Hole {
+        if let Some(source) = held_by_image(st, vcn, addr)? {
+            return map_held(st, vcn, source);
+        }
+    }
     match st.view.clusters.get(vcn) {
         ClusterState::Hole if write => {
             match map_fresh(st, vcn) {
@@ -339,6 +386,126 @@ fn resolve_fault(st: &mut RegionState, addr: u64, write: bool) -> Result<Resolve
     }
 }
 
+/// Where the image holds hole `vcn`'s data, or `None` when it holds
+/// none (a true hole: zeros). Without an image to ask, only a region
+/// whose open mapped every cluster with data can tell.
+fn held_by_image(
+    st: &RegionState,
+    vcn: u64,
+    addr: u64,
+) -> Result<Option<ClusterSource>, MonitorError> {
+    match open_image(&st.image, addr) {
+        Ok(image) => Ok(match image.cluster_source(vcn) {
+            ClusterSource::Hole => None,
+            source => Some(source),
+        }),
+        Err(e) if st.counters.deferred > 0 => Err(e),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The image, or why a fault at `addr` has none to map from.
+fn open_image(image: &Writable, addr: u64) -> Result<&LiveImage, MonitorError> {
+    match image {
+        Writable::Open(image) => Ok(image),
+        Writable::Switching => Err(MonitorError::NoImage {
+            addr,
+            source: NoImage::Switching,
+        }),
+        Writable::Detached(why) => Err(MonitorError::NoImage {
+            addr,
+            source: NoImage::Detached(why.clone()),
+        }),
+    }
+}
+
+/// Maps hole `vcn`, whose data the image holds at `source`, as the open
+/// would have; when the mappings do not fit under the process's limit,
+/// copies the data in instead. Wakes the waiters either way.
+fn map_held(
+    st: &mut RegionState,
+    vcn: u64,
+    source: ClusterSource,
+) -> Result<Resolved, MonitorError> {
+    let (start, cs) = st.view.span(vcn, vcn + 1);
+    let mut runs = Vec::new();
+    let state = plan_cluster(source, vcn * cs, cs, |r| runs.push(r));
+    match map_runs(st, &runs) {
+        Ok(()) => {
+            st.view.clusters.set(vcn, vcn + 1, state);
+            if state == ClusterState::Private {
+                st.tracking.track(&st.view, vcn, vcn + 1);
+            }
+            st.counters.faults.deferred_mapped += 1;
+            st.view.uffd.wake(start, cs)?;
+            Ok(Resolved::Mapped)
+        }
+        Err((e, halfway)) => {
+            let copied = &mut st.counters.faults.deferred_copied;
+            if copied.is_power_of_two() || *copied == 0 {
+                log::warn!("cluster {vcn}: not mapped ({e}), its data copied into the region");
+            }
+            *copied += 1;
+            if halfway {
+                // Back to an empty, registered hole, so that the copy
+                // fills every page of it.
+                st.view
+                    .mapping
+                    .map_anon(vcn * cs, cs)
+                    .map_err(|source| MonitorError::Restore { vcn, source })?;
+                st.view.uffd.register_missing(start, cs)?;
+            }
+            let image = open_image(&st.image, start)?;
+            let mut data = vec![0u8; cs as usize];
+            image
+                .read_at(&mut data, vcn * cs)
+                .map_err(|source| MonitorError::ReadCluster { vcn, source })?;
+            st.view.uffd.copy(start, &data)?;
+            st.view.clusters.set(vcn, vcn + 1, ClusterState::Zero);
+            Ok(Resolved::Copied)
+        }
+    }
+}
+
+/// Maps the planned `runs` of one cluster; on an error, says whether some
+/// were mapped already. Private runs ask the mapping budget for all of
+/// them first (a shared one asks in [`crate::mapping::Reservation::map_file`]),
+/// so a refusal maps nothing.
+fn map_runs(st: &RegionState, runs: &[Run]) -> Result<(), (std::io::Error, bool)> {
+    let image = open_image(
+        &st.image,
+        st.view.base() + runs.first().map_or(0, |r| r.offset),
+    )
+    .map_err(|e| (std::io::Error::other(e), false))?;
+    let files = image.chain_files();
+    let mapping = &st.view.mapping;
+    let private = runs
+        .iter()
+        .filter(|r| !matches!(r.kind, RunKind::File { shared: true, .. }))
+        .count() as u64;
+    if !mapping.admit(private) {
+        return Err((std::io::Error::from_raw_os_error(libc::ENOMEM), false));
+    }
+    for (i, r) in runs.iter().enumerate() {
+        let done = match r.kind {
+            RunKind::File {
+                depth,
+                offset,
+                shared,
+            } => match files.get(depth) {
+                Some(f) => mapping.map_file(r.offset, r.len, f.as_raw_fd(), offset, shared),
+                None => Err(std::io::Error::other(format!(
+                    "no file at depth {depth} of the chain"
+                ))),
+            },
+            RunKind::Anon => mapping.map_anon(r.offset, r.len),
+            RunKind::Hole => Ok(()),
+        };
+        done.map_err(|e| (e, i > 0))?;
+    }
+    Ok(())
+}
+
 /// What a write fault's mapping did.
 #[derive(Debug, Clone, Copy)]
 struct Fresh {
@@ -367,8 +534,13 @@ fn fill_targets(st: &RegionState, vcn: u64) -> Vec<u64> {
     if !continues && !(first..end).any(|c| clusters.get(c) == ClusterState::Shared) {
         return vec![vcn];
     }
+    // Holes the image holds data for are mapped by their own fault.
+    let empty = |c: u64| match &st.image {
+        Writable::Open(image) => matches!(image.cluster_source(c), ClusterSource::Hole),
+        _ => true,
+    };
     (first..end)
-        .filter(|&c| clusters.get(c) == ClusterState::Hole)
+        .filter(|&c| c == vcn || (clusters.get(c) == ClusterState::Hole && empty(c)))
         .collect()
 }
 

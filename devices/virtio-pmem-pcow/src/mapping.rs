@@ -318,6 +318,48 @@ impl Reservation {
         Ok(())
     }
 
+    /// Whether `n` more mappings (private ones, which
+    /// [`Reservation::map_file`] does not count) fit under the limit set
+    /// by [`Reservation::limit_mappings`] (see [`MapBudget`]); always with
+    /// no limit set. A mapping of a cluster the open left unmapped asks
+    /// before it maps anything, so that it is never refused halfway.
+    pub(crate) fn admit(&self, n: u64) -> bool {
+        let Some(limit) = self.map_limit else {
+            return true;
+        };
+        let mut budget = MAP_BUDGET
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (0..n).all(|_| budget.admit(limit, process_map_count))
+    }
+
+    /// Maps fresh anonymous memory (not registered with any userfaultfd)
+    /// over `[offset, offset + len)`.
+    ///
+    /// Callers only do this over ranges that hold no present page, so no
+    /// content is lost.
+    pub(crate) fn map_anon(&self, offset: u64, len: u64) -> io::Result<()> {
+        self.check(offset, len)?;
+        let addr = (self.base as u64 + offset) as *mut libc::c_void;
+        // SAFETY: `check` proved the range lies inside this reservation,
+        // which this value owns and which is reached through raw pointers
+        // only: MAP_FIXED replaces only our own, unborrowed pages.
+        let p = unsafe {
+            libc::mmap(
+                addr,
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// No read-around on the writable layer's mappings in
     /// `[offset, offset + len)`: a fault there would otherwise read ahead
     /// (and zero, for a fresh cluster) up to the file's whole readahead
@@ -404,14 +446,29 @@ pub fn max_map_count() -> Result<u64, MapsError> {
         })
 }
 
+/// `/proc/self/maps`, opened by the first count (a region's open, on the
+/// thread that builds it) and read again from its start by every later
+/// one: the fault monitor counts when a mapping nears the limit, and its
+/// seccomp filter allows no `openat`.
+static MAPS_FILE: std::sync::Mutex<Option<std::fs::File>> = std::sync::Mutex::new(None);
+
 /// The process's mappings (lines of `/proc/self/maps`), counted through a
 /// buffer on the stack: a process at its mapping limit cannot get the
 /// memory for the whole text (megabytes: a fresh mapping).
 pub fn process_map_count() -> Result<u64, MapsError> {
-    use std::io::Read;
+    use std::io::{Read, Seek};
     const WHAT: &str = "/proc/self/maps";
     let err = |source| MapsError::Proc { what: WHAT, source };
-    let mut f = std::fs::File::open(WHAT).map_err(err)?;
+    let mut held = MAPS_FILE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let f = match &mut *held {
+        Some(f) => {
+            f.rewind().map_err(err)?;
+            f
+        }
+        none => none.insert(std::fs::File::open(WHAT).map_err(err)?),
+    };
     let mut buf = [0u8; 16 << 10];
     let mut lines = 0u64;
     loop {

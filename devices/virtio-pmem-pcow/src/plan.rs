@@ -89,62 +89,154 @@ pub(crate) fn plan(image: &Image) -> Result<Plan, TryReserveError> {
     let mut states = Vec::new();
     states.try_reserve_exact(usize::try_from(n).unwrap_or(usize::MAX))?;
     for vcn in 0..n {
-        let at = vcn * cs;
-        let (state, kind) = match image.cluster_source(vcn) {
-            ClusterSource::Active { offset } => (
-                ClusterState::Shared,
-                RunKind::File {
-                    depth: 0,
-                    offset,
-                    shared: true,
-                },
-            ),
-            ClusterSource::ReadOnly { depth, offset } => (
-                ClusterState::Private,
-                RunKind::File {
-                    depth,
-                    offset,
-                    shared: false,
-                },
-            ),
-            ClusterSource::Hole => (ClusterState::Hole, RunKind::Hole),
-            ClusterSource::Mixed(pages) => {
-                for (i, p) in pages.iter().enumerate() {
-                    let kind = match *p {
-                        PageLocation::Zero => RunKind::Anon,
-                        PageLocation::File { depth, offset } => RunKind::File {
-                            depth,
-                            offset,
-                            shared: false,
-                        },
-                    };
-                    push_run(
-                        &mut runs,
-                        Run {
-                            offset: at + i as u64 * PAGE_SIZE,
-                            len: PAGE_SIZE,
-                            kind,
-                        },
-                    );
-                }
-                states.push(ClusterState::Private);
-                continue;
-            }
-        };
+        let state = plan_cluster(image.cluster_source(vcn), vcn * cs, cs, |r| {
+            push_run(&mut runs, r)
+        });
         states.push(state);
-        push_run(
-            &mut runs,
-            Run {
-                offset: at,
-                len: cs,
-                kind,
-            },
-        );
     }
     Ok(Plan {
         runs,
         clusters: states,
     })
+}
+
+/// The state of the cluster at region offset `at` once `source` is mapped
+/// there, and its mappings, handed to `push` in ascending order.
+pub(crate) fn plan_cluster(
+    source: ClusterSource,
+    at: u64,
+    cs: u64,
+    mut push: impl FnMut(Run),
+) -> ClusterState {
+    let (state, kind) = match source {
+        ClusterSource::Active { offset } => (
+            ClusterState::Shared,
+            RunKind::File {
+                depth: 0,
+                offset,
+                shared: true,
+            },
+        ),
+        ClusterSource::ReadOnly { depth, offset } => (
+            ClusterState::Private,
+            RunKind::File {
+                depth,
+                offset,
+                shared: false,
+            },
+        ),
+        ClusterSource::Hole => (ClusterState::Hole, RunKind::Hole),
+        ClusterSource::Mixed(pages) => {
+            for (i, p) in pages.iter().enumerate() {
+                let kind = match *p {
+                    PageLocation::Zero => RunKind::Anon,
+                    PageLocation::File { depth, offset } => RunKind::File {
+                        depth,
+                        offset,
+                        shared: false,
+                    },
+                };
+                push(Run {
+                    offset: at + i as u64 * PAGE_SIZE,
+                    len: PAGE_SIZE,
+                    kind,
+                });
+            }
+            return ClusterState::Private;
+        }
+    };
+    push(Run {
+        offset: at,
+        len: cs,
+        kind,
+    });
+    state
+}
+
+/// When the plan needs more than `room` mappings: leaves the clusters of
+/// its shortest runs unmapped (holes, mapped by their first fault, see
+/// [`crate::fault`]) so that at most about `room` remain, keeping the
+/// longest runs; returns how many clusters it deferred. A mapping that
+/// carries only part of a cluster (a mixed cluster's pages) defers that
+/// whole cluster. The mappings a scattered image needs grow with its
+/// allocated clusters; what the open maps then does not.
+pub(crate) fn defer_short_runs(plan: &mut Plan, cs: u64, room: u64) -> u64 {
+    if plan.runs.len() as u64 <= room {
+        return 0;
+    }
+    let is_data = |r: &Run| !matches!(r.kind, RunKind::Hole);
+    // The shortest run length (in clusters, doubling) whose longer runs,
+    // with a hole between each two, fit.
+    let mut min_clusters = 1u64;
+    loop {
+        let kept = plan
+            .runs
+            .iter()
+            .filter(|r| is_data(r) && r.len.is_multiple_of(cs) && r.len / cs >= min_clusters)
+            .count() as u64;
+        if kept.saturating_mul(2).saturating_add(1) <= room || kept == 0 {
+            break;
+        }
+        min_clusters = min_clusters.saturating_mul(2);
+    }
+    let deferred_run = |r: &Run| {
+        is_data(r)
+            && !(r.offset.is_multiple_of(cs)
+                && r.len.is_multiple_of(cs)
+                && r.len / cs >= min_clusters)
+    };
+    let mut deferred = vec![false; plan.clusters.len()];
+    for r in plan.runs.iter().filter(|r| deferred_run(r)) {
+        let (first, end) = (r.offset / cs, (r.offset + r.len).div_ceil(cs));
+        for d in &mut deferred[first as usize..end as usize] {
+            *d = true;
+        }
+    }
+    let mut runs = Vec::new();
+    for r in std::mem::take(&mut plan.runs) {
+        // Split at cluster bounds where deferral starts or stops.
+        let mut at = r.offset;
+        let end = r.offset + r.len;
+        while at < end {
+            let vcn = at / cs;
+            let d = deferred[vcn as usize];
+            let mut stop = ((vcn + 1) * cs).min(end);
+            while stop < end && deferred[(stop / cs) as usize] == d {
+                stop = ((stop / cs + 1) * cs).min(end);
+            }
+            let kind = match r.kind {
+                _ if d => RunKind::Hole,
+                RunKind::File {
+                    depth,
+                    offset,
+                    shared,
+                } => RunKind::File {
+                    depth,
+                    offset: offset + (at - r.offset),
+                    shared,
+                },
+                k => k,
+            };
+            push_run(
+                &mut runs,
+                Run {
+                    offset: at,
+                    len: stop - at,
+                    kind,
+                },
+            );
+            at = stop;
+        }
+    }
+    plan.runs = runs;
+    let mut n = 0;
+    for (s, d) in plan.clusters.iter_mut().zip(&deferred) {
+        if *d {
+            *s = ClusterState::Hole;
+            n += 1;
+        }
+    }
+    n
 }
 
 #[cfg(test)]
@@ -178,5 +270,82 @@ mod tests {
         assert_eq!(runs.len(), 5);
         assert_eq!(runs[0].len, 8192);
         assert_eq!(runs[4].len, 8192);
+    }
+
+    #[test]
+    fn deferral_keeps_the_longest_runs_and_defers_whole_clusters() {
+        let cs = 4 * PAGE_SIZE;
+        let file = |offset, len, fo| Run {
+            offset,
+            len,
+            kind: RunKind::File {
+                depth: 0,
+                offset: fo,
+                shared: true,
+            },
+        };
+        let mut runs = vec![
+            file(0, cs, 10 * cs),
+            file(cs, cs, 5 * cs),
+            file(2 * cs, 4 * cs, 20 * cs),
+            Run {
+                offset: 6 * cs,
+                len: 2 * cs,
+                kind: RunKind::Hole,
+            },
+        ];
+        // Cluster 8 mixed: a file page, then anonymous pages.
+        runs.push(Run {
+            offset: 8 * cs,
+            len: PAGE_SIZE,
+            kind: RunKind::File {
+                depth: 1,
+                offset: 0,
+                shared: false,
+            },
+        });
+        runs.push(Run {
+            offset: 8 * cs + PAGE_SIZE,
+            len: 3 * PAGE_SIZE,
+            kind: RunKind::Anon,
+        });
+        runs.push(file(9 * cs, cs, 30 * cs));
+        let mut clusters = vec![ClusterState::Shared; 10];
+        clusters[6] = ClusterState::Hole;
+        clusters[7] = ClusterState::Hole;
+        clusters[8] = ClusterState::Private;
+        let mut p = Plan {
+            runs: runs.clone(),
+            clusters: clusters.clone(),
+        };
+        // Everything fits: nothing changes.
+        assert_eq!(defer_short_runs(&mut p, cs, 7), 0);
+        assert_eq!(p.runs, runs);
+
+        // Room for about one mapping: the 4-cluster run stays, the rest
+        // are holes (merged with the hole between).
+        assert_eq!(defer_short_runs(&mut p, cs, 3), 4);
+        let hole = |offset, len| Run {
+            offset,
+            len,
+            kind: RunKind::Hole,
+        };
+        assert_eq!(
+            p.runs,
+            vec![
+                hole(0, 2 * cs),
+                file(2 * cs, 4 * cs, 20 * cs),
+                hole(6 * cs, 4 * cs)
+            ]
+        );
+        let holes: Vec<usize> = (0..10)
+            .filter(|&i| p.clusters[i] == ClusterState::Hole)
+            .collect();
+        assert_eq!(holes, vec![0, 1, 6, 7, 8, 9]);
+
+        // No room at all: every run with data waits.
+        let mut p = Plan { runs, clusters };
+        assert_eq!(defer_short_runs(&mut p, cs, 0), 8);
+        assert_eq!(p.runs, vec![hole(0, 10 * cs)]);
     }
 }

@@ -66,6 +66,10 @@ pub struct Status {
     pub vmas: u64,
     /// Mappings planned when the region was built.
     pub planned_vmas: u64,
+    /// Clusters with data the open left unmapped, too scattered to map
+    /// them all (their first fault maps them: see
+    /// [`FaultCounters::deferred_mapped`]).
+    pub deferred_at_open: u64,
     /// Clusters by state: holes, zero-mapped, private, shared.
     pub holes: u64,
     /// Former holes read as zeros.
@@ -361,6 +365,7 @@ impl PcowRegion {
                 chain,
                 vmas: 0,
                 planned_vmas: st.counters.planned_vmas,
+                deferred_at_open: st.counters.deferred,
                 holes: count(ClusterState::Hole),
                 zero_mapped: count(ClusterState::Zero),
                 private: count(ClusterState::Private),

@@ -57,6 +57,13 @@ pub struct FaultCounters {
     /// their expansion window (see [`crate::RegionOptions::expand_window`]):
     /// faults the guest did not take.
     pub clusters_ahead: u64,
+    /// Faults that mapped a cluster with data the open had left unmapped
+    /// (see [`crate::RegionOptions::max_map_count`]).
+    pub deferred_mapped: u64,
+    /// Faults in such a cluster that could not be mapped (no mapping left
+    /// under the process's limit): its data was copied into the region's
+    /// anonymous memory instead, like a zero-mapped hole's zeros.
+    pub deferred_copied: u64,
 }
 
 /// Counters the status reports.
@@ -67,6 +74,9 @@ pub(crate) struct Counters {
     pub(crate) overlays: u64,
     /// Mappings estimated when the region was built.
     pub(crate) planned_vmas: u64,
+    /// Clusters with data the open left unmapped (too many mappings, see
+    /// [`crate::plan::defer_short_runs`]): their first fault maps them.
+    pub(crate) deferred: u64,
 }
 
 /// What the monitor, the barrier and an overlay share.

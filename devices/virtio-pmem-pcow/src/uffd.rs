@@ -106,6 +106,8 @@ pub const USERFAULTFD_IOC_NEW: libc::c_ulong = UFFDIO << 8;
 
 /// `UFFDIO_COPY_MODE_DONTWAKE`.
 pub const COPY_MODE_DONTWAKE: u64 = 1;
+/// `UFFDIO_COPY_MODE_WP`: the copied pages come write-protected.
+pub const COPY_MODE_WP: u64 = 2;
 /// `UFFDIO_REGISTER_MODE_MISSING`.
 pub const MODE_MISSING: u64 = 1;
 /// `UFFDIO_REGISTER_MODE_WP`.
@@ -424,6 +426,41 @@ impl Uffd {
                 _ => return Err(Self::ioctl_err("UFFDIO_COPY", at, page)),
             }
         }
+    }
+
+    /// Fills the missing pages of `[start, start + data.len())` (page
+    /// aligned, registered) with `data` and wakes the waiters. Pages a
+    /// write-tracking userfaultfd registered come write-protected, as the
+    /// zero pages it maps: the guest's first write to each is recorded.
+    pub(crate) fn copy(&self, start: u64, data: &[u8]) -> Result<(), UffdError> {
+        let len = data.len() as u64;
+        let mut done = 0u64;
+        while done < len {
+            let mut c = UffdioCopy {
+                dst: start + done,
+                src: data[done as usize..].as_ptr() as u64,
+                len: len - done,
+                mode: if self.wp_async { COPY_MODE_WP } else { 0 },
+                copy: 0,
+            };
+            // SAFETY: `c` is a valid `uffdio_copy` whose source is the
+            // rest of `data`, borrowed for the call; the kernel fills only
+            // missing pages of a registered range (never replaces a
+            // present one).
+            let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_COPY as _, &mut c) };
+            if r == 0 {
+                break;
+            }
+            match std::io::Error::last_os_error().raw_os_error() {
+                // Part done (`copy` says how much), or a page present:
+                // go on after it.
+                Some(libc::EAGAIN) if c.copy > 0 => done += c.copy as u64,
+                Some(libc::EAGAIN) => {}
+                Some(libc::EEXIST) => done += c.copy.max(0) as u64 + PAGE_SIZE,
+                _ => return Err(Self::ioctl_err("UFFDIO_COPY", start + done, len - done)),
+            }
+        }
+        self.wake(start, len)
     }
 
     /// [`Uffd::read_msgs`], retried until a message comes or `window` has

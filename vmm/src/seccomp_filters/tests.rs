@@ -530,6 +530,7 @@ fn each_table_holds_what_its_code_paths_make() {
             ("UFFDIO_ZEROPAGE", dev(uffd::UFFDIO_ZEROPAGE)),
             ("UFFDIO_COPY", dev(uffd::UFFDIO_COPY)),
             ("UFFDIO_WAKE", dev(uffd::UFFDIO_WAKE)),
+            ("UFFDIO_REGISTER", dev(uffd::UFFDIO_REGISTER)),
         ],
     );
     // The VMM thread: every other kind's (inherited filters stack), and its
