@@ -141,6 +141,37 @@ impl Image {
         self.cluster_source_by_pages(vcn)
     }
 
+    /// [`Image::cluster_source`] of every cluster in `vcns`, in order,
+    /// handed to `f`. On an image whose clusters lie scattered over its
+    /// file, one call per cluster waits for a cache miss or two each (its
+    /// entry and bitmap, far from the last cluster's): here the entries of
+    /// a batch are loaded before any is used, so that their misses overlap.
+    pub fn cluster_sources(
+        &self,
+        vcns: std::ops::Range<u64>,
+        mut f: impl FnMut(u64, ClusterSource),
+    ) {
+        const BATCH: u64 = 64;
+        let map = &self.meta.layers[self.header.staged.active_layer as usize].map;
+        let mut at = vcns.start;
+        while at < vcns.end {
+            let end = at.saturating_add(BATCH).min(vcns.end);
+            let mut touched = 0u64;
+            for vcn in at..end {
+                if let Some(&e) = map.get(&vcn) {
+                    let bitmap = self.meta.bitmap(e);
+                    touched ^= self.meta.entries[e as usize].cluster
+                        ^ bitmap.first().copied().unwrap_or(0);
+                }
+            }
+            std::hint::black_box(touched);
+            for vcn in at..end {
+                f(vcn, self.cluster_source(vcn));
+            }
+            at = end;
+        }
+    }
+
     /// Cluster `vcn` (of `cs` bytes) of the view below this file's layers,
     /// as one piece: a hole, or read-only data contiguous in one file (of
     /// the chain's file `depth` or deeper); `None` when it takes a walk

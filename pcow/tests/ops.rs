@@ -310,8 +310,18 @@ fn cluster_sources_for_a_device_and_completing_active_clusters() {
         }
     );
     assert_eq!(pages[2], PageLocation::Zero);
+    // The batched walk a device's open makes says the same, cluster by
+    // cluster, in order.
+    let every = |img: &pcow::Image| {
+        let mut got = Vec::new();
+        img.cluster_sources(0..16, |vcn, s| got.push((vcn, s)));
+        let one_by_one: Vec<_> = (0..16).map(|v| (v, img.cluster_source(v))).collect();
+        assert_eq!(got, one_by_one);
+    };
+    every(&img);
     // After a snapshot the whole cluster 3 is read-only history.
     img.snapshot_create("s").unwrap();
+    every(&img);
     assert_eq!(
         img.cluster_source(3),
         ClusterSource::ReadOnly {

@@ -88,12 +88,10 @@ pub(crate) fn plan(image: &Image) -> Result<Plan, TryReserveError> {
     let mut runs = Vec::new();
     let mut states = Vec::new();
     states.try_reserve_exact(usize::try_from(n).unwrap_or(usize::MAX))?;
-    for vcn in 0..n {
-        let state = plan_cluster(image.cluster_source(vcn), vcn * cs, cs, |r| {
-            push_run(&mut runs, r)
-        });
+    image.cluster_sources(0..n, |vcn, source| {
+        let state = plan_cluster(source, vcn * cs, cs, |r| push_run(&mut runs, r));
         states.push(state);
-    }
+    });
     Ok(Plan {
         runs,
         clusters: states,
