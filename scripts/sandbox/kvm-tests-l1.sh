@@ -5,7 +5,10 @@
 # vmm/tests/dirty_log_kvm.rs: KVM's dirty ring, which the VMM uses by
 # default only on kvm_amd/kvm_intel (vmm/src/dirty_ring.rs), must stop a
 # vCPU whose ring is full and lose no page; on the host, kvm_pvm overflows
-# the ring instead, which that test only sees detected.
+# the ring instead, which that test only sees detected. The same binary
+# has a guest on KVM using the clusters a scattered image's open left
+# unmapped (mapped or copied in at its first access, its writes found
+# through the ring).
 #
 # Builds the test binary (cargo test --no-run), boots L1 with it as the
 # payload, runs it with CI=1 (a skip is a failure) and fails unless every

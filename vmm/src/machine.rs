@@ -348,6 +348,8 @@ impl Pmem {
                 c.push(("expansions", f.write_faults));
                 c.push(("clusters_ahead", f.clusters_ahead));
                 c.push(("zero_maps", f.read_faults));
+                c.push(("deferred_maps", f.deferred_mapped));
+                c.push(("deferred_copies", f.deferred_copied));
             }
         }
         c
@@ -1058,12 +1060,14 @@ impl Machine {
                     // mapped at the end.
                     if let Some(Ok(st)) = p.pcow().map(PcowRegion::status) {
                         log::info!(
-                            "pmem {}: faults: {} write, {} read, {} woken only, {} clusters mapped ahead; clusters: {} shared, {} private, {} zero-mapped, {} holes",
+                            "pmem {}: faults: {} write, {} read, {} woken only, {} clusters mapped ahead, {} left unmapped at open mapped ({} copied in); clusters: {} shared, {} private, {} zero-mapped, {} holes",
                             p.id,
                             st.faults.write_faults,
                             st.faults.read_faults,
                             st.faults.wake_only,
                             st.faults.clusters_ahead,
+                            st.faults.deferred_mapped,
+                            st.faults.deferred_copied,
                             st.shared,
                             st.private,
                             st.zero_mapped,

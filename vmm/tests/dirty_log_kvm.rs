@@ -692,3 +692,156 @@ fn one_empty_full_ring_exit_is_a_race_two_are_an_overflow() {
     // SAFETY: the slot that pointed at it is deleted.
     unsafe { libc::munmap(host, LEN as usize) };
 }
+
+/// A guest on KVM reading and writing an image too scattered to map whole
+/// (a small mapping limit given to the region): the open leaves most of
+/// its clusters unmapped, and the guest's first access to each (a KVM
+/// fault on the region's anonymous memory, served by the monitor) maps it
+/// shared (written after the snapshot), private (the snapshot's), or
+/// copies it in past the limit. Every value the guest reads is the
+/// image's; its writes, found through the write log, reach the image.
+#[test]
+fn a_guest_on_kvm_uses_clusters_left_unmapped_at_open() {
+    let test = "a_guest_on_kvm_uses_clusters_left_unmapped_at_open";
+    let Some(vm) = vm_for(test, LogChoice::default()) else {
+        return;
+    };
+    if !uffd_or_skip(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("scattered.pcow");
+    // 256 clusters: a read of each and a write into every sixth fit the
+    // test guest's table of checks.
+    let size = M2 / 2;
+    let n = size / PAGE;
+    let data = |vcn: u64, seed: u64| Check {
+        gpa: vcn * PAGE,
+        qwords: 2,
+        seed: seed * 1000 + vcn,
+        stride: STRIDE,
+        write: false,
+    };
+    // Even clusters written in a scattered order, then a snapshot, then
+    // every fourth again (the writable layer's): shared, private and
+    // hole clusters side by side, no two neighbours in the file.
+    let mut img = Image::create(
+        &path,
+        &CreateOptions {
+            cluster_size: Some(PAGE),
+            virtual_size: Some(size),
+            base: None,
+        },
+    )
+    .unwrap();
+    let scattered = |step: u64| {
+        let mut v: Vec<u64> = (0..n).step_by(step as usize).collect();
+        let mut s = 0x9e37_79b9u64 ^ step;
+        for i in (1..v.len()).rev() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            v.swap(i, (s % (i as u64 + 1)) as usize);
+        }
+        v
+    };
+    for vcn in scattered(2) {
+        img.write_at(&data(vcn, 1).bytes(), vcn * PAGE).unwrap();
+    }
+    img.snapshot_create("s").unwrap();
+    for vcn in scattered(4) {
+        img.write_at(&data(vcn, 2).bytes(), vcn * PAGE).unwrap();
+    }
+    img.close().unwrap();
+    let mut model = read_all(&path);
+
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .count() as u64;
+    let opts = RegionOptions {
+        max_map_count: Some(maps + virtio_pmem_pcow::VMA_MARGIN + 80),
+        ..RegionOptions::default()
+    };
+    let ctl = VcpuControl::new().unwrap();
+    let (region, monitor) = PcowRegion::open(&path, ctl.clone(), &opts)
+        .unwrap_or_else(|e| panic!("open region: {}", chain(&e)));
+    let deferred = region.status().unwrap().deferred_at_open;
+    assert!(deferred > 0, "the open defers the short runs");
+    let monitor = Arc::new(monitor);
+    let served = MonitorThread::spawn("pmem0-fault", monitor.clone(), |_| {}).unwrap();
+    let gpa = vm.next_region_gpa().unwrap();
+    let (host, len) = (region.host_addr(), region.len());
+    // SAFETY: the region stays mapped until after the memslot is dropped
+    // (`slot` is dropped first, below).
+    let slot = unsafe { vm.add_logged_region(gpa, host, len) }.unwrap();
+    if let Some(log) = slot.write_log() {
+        region.attach_write_log(Arc::new(log)).unwrap();
+    }
+    region.barrier().unwrap();
+
+    let at = |c: Check| Check {
+        gpa: gpa + c.gpa,
+        ..c
+    };
+    let mut steps: Vec<Step> = Vec::new();
+    for vcn in 0..n {
+        let want = match vcn % 4 {
+            0 => data(vcn, 2),
+            2 => data(vcn, 1),
+            _ => Check {
+                seed: 0,
+                stride: 0,
+                ..data(vcn, 0)
+            },
+        };
+        steps.push(at(want).into());
+    }
+    let mut writes = Vec::new();
+    for vcn in (0..n).step_by(6) {
+        let w = Check {
+            gpa: vcn * PAGE + 64,
+            qwords: 1,
+            seed: 0x5a5a_0000 + vcn,
+            stride: 0,
+            write: true,
+        };
+        steps.push(at(w).into());
+        writes.push(w);
+    }
+    let guest = TestGuest {
+        checks: steps.clone(),
+        idle: None,
+    };
+    let (t, port) = start(&vm, &guest, gpa + len, 0, ctl.clone());
+    let (stop, _) = t.join().unwrap_or_else(|e| panic!("vCPU: {}", chain(&e)));
+    assert_eq!(stop, VcpuStop::Halted);
+    let r = port.0.lock().unwrap().clone();
+    let want: Vec<Report> = (0..steps.len() as u32)
+        .map(Report::Pass)
+        .chain([Report::Done(steps.len() as u32)])
+        .collect();
+    assert_eq!(r, want, "every read saw the image's data");
+    let f = monitor.counters().unwrap();
+    assert!(
+        f.deferred_mapped + f.deferred_copied >= deferred,
+        "each deferred cluster resolved at its first access: {f:?}, {deferred} deferred"
+    );
+    let s = region
+        .barrier()
+        .unwrap_or_else(|e| panic!("barrier: {}", chain(&e)));
+    eprintln!("{test}: {deferred} deferred at open; {f:?}; barrier {s:?}");
+    drop(slot);
+    drop(served);
+    drop(monitor);
+    drop(region);
+    for w in &writes {
+        apply(&mut model, w.gpa, w);
+    }
+    let got = read_all(&path);
+    if let Some(i) = got.iter().zip(&model).position(|(a, b)| a != b) {
+        panic!("image differs at {i:#x} (cluster {})", i as u64 / PAGE);
+    }
+    let r = pcow::check::check(&path, None, false).unwrap();
+    assert!(r.is_clean(), "check: {r:?}");
+}

@@ -57,8 +57,10 @@ pub struct FaultCounters {
     /// their expansion window (see [`crate::RegionOptions::expand_window`]):
     /// faults the guest did not take.
     pub clusters_ahead: u64,
-    /// Faults that mapped a cluster with data the open had left unmapped
-    /// (see [`crate::RegionOptions::max_map_count`]).
+    /// Faults that mapped a cluster with data the region had left
+    /// unmapped: the open, for an image too scattered to map whole (see
+    /// [`crate::RegionOptions::max_map_count`]), or a window's fill whose
+    /// mapping failed.
     pub deferred_mapped: u64,
     /// Faults in such a cluster that could not be mapped (no mapping left
     /// under the process's limit): its data was copied into the region's
