@@ -279,54 +279,29 @@ impl Reservation {
             .map_err(|_| io::Error::from_raw_os_error(libc::EOVERFLOW))?;
         // Only shared mappings count: they are the ones whose number grows
         // with the guest's scattered writes (see `MapBudget`).
-        if let (Some(limit), true) = (self.map_limit, shared) {
-            // A poisoned lock only means a thread panicked while holding
-            // it; the counts stay usable.
-            let mut budget = MAP_BUDGET
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if !budget.admit(limit, process_map_count) {
-                return Err(io::Error::from_raw_os_error(libc::ENOMEM));
-            }
+        if shared && !self.admit(1) {
+            return Err(io::Error::from_raw_os_error(libc::ENOMEM));
         }
-        let flags = libc::MAP_FIXED
-            | libc::MAP_NORESERVE
-            | if shared {
-                libc::MAP_SHARED
-            } else {
-                libc::MAP_PRIVATE
-            };
-        let addr = (self.base as u64 + offset) as *mut libc::c_void;
-        // `check` proved `[addr, addr + len)` lies inside this reservation,
-        // which this value owns; the region is reached through raw
-        // pointers only, so no Rust reference into it exists.
-        // SAFETY: MAP_FIXED thus replaces only our own, unborrowed pages;
-        // the fd is open for the call.
-        let p = unsafe {
-            libc::mmap(
-                addr,
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                flags,
-                fd,
-                off,
-            )
+        let flags = if shared {
+            libc::MAP_SHARED
+        } else {
+            libc::MAP_PRIVATE
         };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        self.map_fixed(offset, len, flags, fd, off)
     }
 
-    /// Whether `n` more mappings (private ones, which
-    /// [`Reservation::map_file`] does not count) fit under the limit set
-    /// by [`Reservation::limit_mappings`] (see [`MapBudget`]); always with
-    /// no limit set. A mapping of a cluster the open left unmapped asks
-    /// before it maps anything, so that it is never refused halfway.
+    /// Whether `n` more mappings fit under the limit set by
+    /// [`Reservation::limit_mappings`] (see [`MapBudget`]); always with no
+    /// limit set. [`Reservation::map_file`] asks for its shared mappings;
+    /// a fault that maps a cluster the open left unmapped asks for its
+    /// private ones before it maps anything, so that it is never refused
+    /// halfway.
     pub(crate) fn admit(&self, n: u64) -> bool {
         let Some(limit) = self.map_limit else {
             return true;
         };
+        // A poisoned lock only means a thread panicked while holding it;
+        // the counts stay usable.
         let mut budget = MAP_BUDGET
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -340,18 +315,33 @@ impl Reservation {
     /// content is lost.
     pub(crate) fn map_anon(&self, offset: u64, len: u64) -> io::Result<()> {
         self.check(offset, len)?;
+        self.map_fixed(offset, len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    }
+
+    /// `mmap` read-write with `flags` over `[offset, offset + len)`,
+    /// which the caller checked ([`Reservation::check`]).
+    fn map_fixed(
+        &self,
+        offset: u64,
+        len: u64,
+        flags: libc::c_int,
+        fd: RawFd,
+        file_offset: libc::off_t,
+    ) -> io::Result<()> {
         let addr = (self.base as u64 + offset) as *mut libc::c_void;
-        // SAFETY: `check` proved the range lies inside this reservation,
-        // which this value owns and which is reached through raw pointers
-        // only: MAP_FIXED replaces only our own, unborrowed pages.
+        // `check` proved `[addr, addr + len)` lies inside this reservation,
+        // which this value owns; the region is reached through raw
+        // pointers only, so no Rust reference into it exists.
+        // SAFETY: MAP_FIXED thus replaces only our own, unborrowed pages;
+        // a file descriptor is open for the call.
         let p = unsafe {
             libc::mmap(
                 addr,
                 len as usize,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
+                flags | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                fd,
+                file_offset,
             )
         };
         if p == libc::MAP_FAILED {
