@@ -24,6 +24,8 @@
 # medians.
 cd /payload || exit 1
 . ./gb.conf
+# GB_DIRTY_RING=off: our VMM follows KVM's dirty bitmap, not its ring.
+[ -z "${DIRTY_RING:-}" ] || export PCOW_DIRTY_RING="$DIRTY_RING"
 up() { cut -d' ' -f1 /proc/uptime; }
 T0=$(up)
 gunzip -c pristine.raw.gz >/tmp/pristine.raw && rm pristine.raw.gz || exit 2

@@ -43,6 +43,9 @@
 #                   log for guest-bench-breakdown.py (see the doc's "Where
 #                   pcow's time goes")
 #   GB_WARMUP=0     skip the warm-up boot (raw-dax, randread; not counted)
+#   GB_DIRTY_RING=off  our VMM reads KVM's dirty bitmap in L1 instead of its
+#                   dirty ring (PCOW_DIRTY_RING=off, docs/vmm.md): to compare
+#                   the two
 #   GB_DOC          output document (default docs/guest-benchmarks.md; `-`
 #                   writes none)
 #   GB_RUN_TIMEOUT  s, one VM boot (default 600: killed and failed past it)
@@ -130,7 +133,7 @@ report() { # LOG L1_SECONDS
         --load "${LOAD:-}" --images "${IMAGES:-}" --note "${GB_NOTE:-}"
 }
 # The command as run, with the knobs that change what is measured.
-CMDLINE="$({ env | grep -E '^GB_(ROUNDS|JOBS|VARIANTS|SIZE_[A-Z]+|FS_MIB|MEM|PROFILE|PROFILE_LOG|WARMUP)=' || true; } | sort | sed "s/=\\(.*\\)/='\\1'/" | tr '\n' ' ')scripts/sandbox/guest-bench.sh"
+CMDLINE="$({ env | grep -E '^GB_(ROUNDS|JOBS|VARIANTS|SIZE_[A-Z]+|FS_MIB|MEM|PROFILE|PROFILE_LOG|WARMUP|DIRTY_RING)=' || true; } | sort | sed "s/=\\(.*\\)/='\\1'/" | tr '\n' ' ')scripts/sandbox/guest-bench.sh"
 if [ -n "${GB_REPORT_ONLY:-}" ]; then
     [ -f "$GB_REPORT_ONLY" ] || die "GB_REPORT_ONLY=$GB_REPORT_ONLY: no such log"
     report "$GB_REPORT_ONLY" 0
@@ -275,6 +278,7 @@ rm -f "$W/gb.raw"
     echo "RUN_TIMEOUT=$RUN_TIMEOUT"
     echo "PROFILE=$PROFILE"
     echo "PROFILE_LOG=$PROFILE_LOG"
+    echo "DIRTY_RING='${GB_DIRTY_RING:-}'"
 } >"$payload/gb.conf"
 cp "$SANDBOX_SCRIPTS/guest-bench-l1.sh" "$payload/run.sh"
 say "built in $(elapsed "$t_build")s: L2 initramfs $(du -m "$payload/l2/initramfs.cpio" | cut -f1) MiB (fio $fio_ver and its libraries: $fio_mib MiB); images: pcow ${pcow_info:-?}; qcow2 ${qcow2_info:-?}"
