@@ -443,10 +443,10 @@ impl Uffd {
                 mode: if self.wp_async { COPY_MODE_WP } else { 0 },
                 copy: 0,
             };
-            // SAFETY: `c` is a valid `uffdio_copy` whose source is the
-            // rest of `data`, borrowed for the call; the kernel fills only
-            // missing pages of a registered range (never replaces a
-            // present one).
+            // `c` is a valid `uffdio_copy` whose source is the rest of
+            // `data`, borrowed for the call; the kernel fills only missing
+            // pages of a registered range (never replaces a present one).
+            // SAFETY: so it reads only `data` and writes no live memory.
             let r = unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_COPY as _, &mut c) };
             if r == 0 {
                 break;
