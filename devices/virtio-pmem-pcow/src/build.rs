@@ -17,7 +17,7 @@ use crate::mapping::{
     VMA_MARGIN,
 };
 use crate::pagemap::{PageScanner, PagemapError};
-use crate::plan::{defer_short_runs, plan, Plan, RunKind};
+use crate::plan::{plan, Plan, RunKind};
 use crate::pool::{default_pool_bytes, PoolCtl, PoolOptions};
 use crate::state::{Counters, RegionState, Writable};
 use crate::uffd::{Uffd, UffdError};
@@ -177,8 +177,6 @@ pub(crate) fn build(
     // Every active cluster whole, so each maps shared as one piece.
     image.complete_active_clusters()?;
     image.flush()?;
-    let mut plan = plan(&image).map_err(|source| RegionError::StateMemory { clusters, source })?;
-
     let max = match opts.max_map_count {
         Some(m) => m,
         None => max_map_count()?,
@@ -189,7 +187,11 @@ pub(crate) fn build(
     // runs wait for the guest's first access (the other half is the
     // room of the faults and barriers that map at run time).
     let room = max.saturating_sub(in_use).saturating_sub(VMA_MARGIN);
-    let deferred = defer_short_runs(&mut plan, cs, room / 2);
+    let Plan {
+        runs,
+        clusters: states,
+        deferred,
+    } = plan(&image, room / 2).map_err(|source| RegionError::StateMemory { clusters, source })?;
     if deferred > 0 {
         log::info!(
             "{deferred} scattered clusters are mapped at their first access \
@@ -197,7 +199,6 @@ pub(crate) fn build(
              vm.max_map_count={max} leaves; `pcow-img compact` makes them contiguous)"
         );
     }
-    let Plan { runs, clusters } = plan;
     let planned_vmas = runs.len() as u64;
     check_map_count(planned_vmas, max, in_use)?;
 
@@ -278,7 +279,7 @@ pub(crate) fn build(
         cs,
         mapping,
         uffd: Arc::new(uffd),
-        clusters: Clusters::new(clusters),
+        clusters: Clusters::new(states),
     };
     let zero_budget = opts.zero_budget.unwrap_or(DEFAULT_ZERO_BUDGET);
     let tracking = Tracking::start(&view, scanner, zero_budget, !opts.pagemap_read_fallback);

@@ -25,7 +25,7 @@
 //!   private page that the next barrier moves (or fails to, reporting it).
 //! - any fault in a hole whose cluster the image holds (the open left it
 //!   unmapped because a scattered image needs too many mappings, see
-//!   [`crate::plan::defer_short_runs`], or a window's cluster allocated
+//!   [`crate::plan::Deferral`], or a window's cluster allocated
 //!   ahead whose mapping failed) maps it as the open would have: shared
 //!   from the writable layer, private from a read-only one. When no
 //!   mapping is left under the process's limit, its data is copied into

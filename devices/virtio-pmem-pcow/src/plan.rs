@@ -77,24 +77,32 @@ impl Adjoin for Run {
 pub(crate) struct Plan {
     pub runs: Vec<Run>,
     pub clusters: Vec<ClusterState>,
+    /// Clusters with data left unmapped (see [`Deferral`]).
+    pub deferred: u64,
 }
 
-/// The mappings of a whole image view and the state of every cluster; an
-/// error when there is no memory for the states (the caller bounds their
-/// number, see [`crate::build::MAX_REGION_CLUSTERS`]).
-pub(crate) fn plan(image: &Image) -> Result<Plan, TryReserveError> {
+/// The mappings of a whole image view and the state of every cluster,
+/// at most about `room` mappings of them (past that, the shortest runs
+/// are deferred: see [`Deferral`]); an error when there is no memory for
+/// the states (the caller bounds their number, see
+/// [`crate::build::MAX_REGION_CLUSTERS`]).
+pub(crate) fn plan(image: &Image, room: u64) -> Result<Plan, TryReserveError> {
     let cs = image.cluster_size();
     let n = image.virtual_size() / cs;
     let mut runs = Vec::new();
     let mut states = Vec::new();
     states.try_reserve_exact(usize::try_from(n).unwrap_or(usize::MAX))?;
+    let mut deferral = Deferral::new(cs, room);
     image.cluster_sources(0..n, |vcn, source| {
         let state = plan_cluster(source, vcn * cs, cs, |r| push_run(&mut runs, r));
         states.push(state);
+        deferral.bound(&mut runs, &mut states);
     });
+    let deferred = deferral.finish(&mut runs, &mut states);
     Ok(Plan {
         runs,
         clusters: states,
+        deferred,
     })
 }
 
@@ -151,90 +159,141 @@ pub(crate) fn plan_cluster(
     state
 }
 
-/// When the plan needs more than `room` mappings: leaves the clusters of
-/// its shortest runs unmapped (holes, mapped by their first fault, see
-/// [`crate::fault`]) so that at most about `room` remain, keeping the
-/// longest runs; returns how many clusters it deferred. A mapping that
-/// carries only part of a cluster (a mixed cluster's pages) defers that
-/// whole cluster. The mappings a scattered image needs grow with its
-/// allocated clusters; what the open maps then does not.
-pub(crate) fn defer_short_runs(plan: &mut Plan, cs: u64, room: u64) -> u64 {
-    if plan.runs.len() as u64 <= room {
-        return 0;
-    }
-    let is_data = |r: &Run| !matches!(r.kind, RunKind::Hole);
-    // The shortest run length (in clusters, doubling) whose longer runs,
-    // with a hole between each two, fit.
-    let mut min_clusters = 1u64;
-    loop {
-        let kept = plan
-            .runs
-            .iter()
-            .filter(|r| is_data(r) && r.len.is_multiple_of(cs) && r.len / cs >= min_clusters)
-            .count() as u64;
-        if kept.saturating_mul(2).saturating_add(1) <= room || kept == 0 {
-            break;
-        }
-        min_clusters = min_clusters.saturating_mul(2);
-    }
-    let deferred_run = |r: &Run| {
-        is_data(r)
-            && !(r.offset.is_multiple_of(cs)
-                && r.len.is_multiple_of(cs)
-                && r.len / cs >= min_clusters)
-    };
-    let mut deferred = vec![false; plan.clusters.len()];
-    for r in plan.runs.iter().filter(|r| deferred_run(r)) {
-        let (first, end) = (r.offset / cs, (r.offset + r.len).div_ceil(cs));
-        for d in &mut deferred[first as usize..end as usize] {
-            *d = true;
+/// Leaves the clusters of a plan's shortest runs unmapped when it needs
+/// more than `room` mappings (holes, mapped by their first fault, see
+/// [`crate::fault`]), so that at most about `room` remain: it keeps the
+/// runs of at least a length (in clusters, doubling from one) whose count,
+/// with a hole between each two, fits. A mapping that carries only part of
+/// a cluster (a mixed cluster's pages) defers that whole cluster. The
+/// mappings a scattered image needs grow with its allocated clusters;
+/// what the open maps then does not.
+///
+/// It runs while the plan is built ([`Deferral::bound`]), so that the
+/// plan's runs never grow past about twice `room`: a scattered image of
+/// 10^6 clusters would otherwise plan 10^6 runs (40 MB) only to drop
+/// almost all of them. That gives what one pass over the whole plan gives,
+/// because the length kept only grows as runs are added: a run shorter
+/// than the length kept for part of the plan is shorter than the length
+/// kept for all of it.
+pub(crate) struct Deferral {
+    cs: u64,
+    room: u64,
+    /// Runs shorter than this many clusters are deferred.
+    min_clusters: u64,
+    /// Whether runs were deferred already.
+    started: bool,
+    deferred: u64,
+}
+
+impl Deferral {
+    pub(crate) fn new(cs: u64, room: u64) -> Deferral {
+        Deferral {
+            cs,
+            room,
+            min_clusters: 1,
+            started: false,
+            deferred: 0,
         }
     }
-    let mut runs = Vec::new();
-    for r in std::mem::take(&mut plan.runs) {
-        // Split at cluster bounds where deferral starts or stops.
-        let mut at = r.offset;
-        let end = r.offset + r.len;
-        while at < end {
-            let vcn = at / cs;
-            let d = deferred[vcn as usize];
-            let mut stop = ((vcn + 1) * cs).min(end);
-            while stop < end && deferred[(stop / cs) as usize] == d {
-                stop = ((stop / cs + 1) * cs).min(end);
+
+    /// Defers the short runs of a plan built so far (every cluster of
+    /// `states` planned, the last run of `runs` possibly still growing)
+    /// once it holds more than twice `room` runs.
+    pub(crate) fn bound(&mut self, runs: &mut Vec<Run>, states: &mut [ClusterState]) {
+        if runs.len() as u64 > self.room.saturating_mul(2).saturating_add(2) {
+            self.started = true;
+            self.defer(runs, states, 1);
+        }
+    }
+
+    /// Defers the short runs of the finished plan if it needs more than
+    /// `room` mappings; returns how many clusters were deferred in all.
+    pub(crate) fn finish(mut self, runs: &mut Vec<Run>, states: &mut [ClusterState]) -> u64 {
+        if self.started || runs.len() as u64 > self.room {
+            self.defer(runs, states, 0);
+        }
+        self.deferred
+    }
+
+    /// Defers the short runs among all but the last `open` runs.
+    fn defer(&mut self, runs: &mut Vec<Run>, states: &mut [ClusterState], open: usize) {
+        let cs = self.cs;
+        let closed = runs.len().saturating_sub(open);
+        let is_data = |r: &Run| !matches!(r.kind, RunKind::Hole);
+        let whole = |r: &Run| r.offset.is_multiple_of(cs) && r.len.is_multiple_of(cs);
+        loop {
+            let min = self.min_clusters;
+            let kept = runs[..closed]
+                .iter()
+                .filter(|r| is_data(r) && whole(r) && r.len / cs >= min)
+                .count() as u64;
+            if kept.saturating_mul(2).saturating_add(1) <= self.room || kept == 0 {
+                break;
             }
-            let kind = match r.kind {
-                _ if d => RunKind::Hole,
-                RunKind::File {
-                    depth,
-                    offset,
-                    shared,
-                } => RunKind::File {
-                    depth,
-                    offset: offset + (at - r.offset),
-                    shared,
-                },
-                k => k,
-            };
-            push_run(
-                &mut runs,
-                Run {
-                    offset: at,
-                    len: stop - at,
-                    kind,
-                },
-            );
-            at = stop;
+            self.min_clusters = min.saturating_mul(2);
         }
-    }
-    plan.runs = runs;
-    let mut n = 0;
-    for (s, d) in plan.clusters.iter_mut().zip(&deferred) {
-        if *d {
-            *s = ClusterState::Hole;
-            n += 1;
+        // A deferred cluster's state becomes a hole; a mapping over a
+        // cluster in that state becomes a hole below.
+        for r in runs[..closed]
+            .iter()
+            .filter(|r| is_data(r) && !(whole(r) && r.len / cs >= self.min_clusters))
+        {
+            let (first, end) = (r.offset / cs, (r.offset + r.len).div_ceil(cs));
+            for s in &mut states[first as usize..end as usize] {
+                if *s != ClusterState::Hole {
+                    *s = ClusterState::Hole;
+                    self.deferred += 1;
+                }
+            }
         }
+        let deferred = |at: u64| states[(at / cs) as usize] == ClusterState::Hole;
+        let mut out = Vec::with_capacity(closed.min(self.room as usize) + open + 1);
+        for r in runs.drain(..) {
+            // A run is deferred whole or not at all, but for the one still
+            // growing: its first cluster may be a mixed one deferred with
+            // the runs before it. Only such a run is split, at cluster
+            // bounds, so that a compaction costs its runs, not the
+            // clusters they cover.
+            let (first, last) = (deferred(r.offset), deferred(r.offset + r.len - 1));
+            if first == last {
+                let kind = if first { RunKind::Hole } else { r.kind };
+                push_run(&mut out, Run { kind, ..r });
+                continue;
+            }
+            let mut at = r.offset;
+            let end = r.offset + r.len;
+            while at < end {
+                let d = deferred(at);
+                let mut stop = ((at / cs + 1) * cs).min(end);
+                while stop < end && deferred(stop) == d {
+                    stop = ((stop / cs + 1) * cs).min(end);
+                }
+                let kind = match r.kind {
+                    _ if d => RunKind::Hole,
+                    RunKind::File {
+                        depth,
+                        offset,
+                        shared,
+                    } => RunKind::File {
+                        depth,
+                        offset: offset + (at - r.offset),
+                        shared,
+                    },
+                    k => k,
+                };
+                push_run(
+                    &mut out,
+                    Run {
+                        offset: at,
+                        len: stop - at,
+                        kind,
+                    },
+                );
+                at = stop;
+            }
+        }
+        *runs = out;
     }
-    n
 }
 
 #[cfg(test)]
@@ -312,38 +371,131 @@ mod tests {
         clusters[6] = ClusterState::Hole;
         clusters[7] = ClusterState::Hole;
         clusters[8] = ClusterState::Private;
-        let mut p = Plan {
-            runs: runs.clone(),
-            clusters: clusters.clone(),
-        };
+        let (mut r, mut c) = (runs.clone(), clusters.clone());
         // Everything fits: nothing changes.
-        assert_eq!(defer_short_runs(&mut p, cs, 7), 0);
-        assert_eq!(p.runs, runs);
+        assert_eq!(Deferral::new(cs, 7).finish(&mut r, &mut c), 0);
+        assert_eq!(r, runs);
 
         // Room for about one mapping: the 4-cluster run stays, the rest
         // are holes (merged with the hole between).
-        assert_eq!(defer_short_runs(&mut p, cs, 3), 4);
+        assert_eq!(Deferral::new(cs, 3).finish(&mut r, &mut c), 4);
         let hole = |offset, len| Run {
             offset,
             len,
             kind: RunKind::Hole,
         };
         assert_eq!(
-            p.runs,
+            r,
             vec![
                 hole(0, 2 * cs),
                 file(2 * cs, 4 * cs, 20 * cs),
                 hole(6 * cs, 4 * cs)
             ]
         );
-        let holes: Vec<usize> = (0..10)
-            .filter(|&i| p.clusters[i] == ClusterState::Hole)
-            .collect();
+        let holes: Vec<usize> = (0..10).filter(|&i| c[i] == ClusterState::Hole).collect();
         assert_eq!(holes, vec![0, 1, 6, 7, 8, 9]);
 
         // No room at all: every run with data waits.
-        let mut p = Plan { runs, clusters };
-        assert_eq!(defer_short_runs(&mut p, cs, 0), 8);
-        assert_eq!(p.runs, vec![hole(0, 10 * cs)]);
+        let (mut r, mut c) = (runs, clusters);
+        assert_eq!(Deferral::new(cs, 0).finish(&mut r, &mut c), 8);
+        assert_eq!(r, vec![hole(0, 10 * cs)]);
+    }
+
+    /// A cluster's source drawn from `seed`, in runs of random length (1
+    /// to 150 clusters) of one kind each: clusters of the top file or of a
+    /// base contiguous in it (a run starts at a jump in the file), holes,
+    /// and single mixed clusters.
+    fn source(seed: &mut u64, run: &mut (u64, u64, u64), cs: u64) -> ClusterSource {
+        let mut next = || {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            *seed
+        };
+        let (at, left, kind) = run;
+        if *left == 0 {
+            *at += (next() % 64 + 2) * cs;
+            *left = [1, 1, 1, 2, 3, 5, 8, 40, 150][(next() % 9) as usize];
+            *kind = next() % 10;
+        }
+        *left -= 1;
+        let here = *at;
+        *at += cs;
+        match *kind {
+            0..=5 => ClusterSource::Active { offset: here },
+            6 => ClusterSource::Hole,
+            7 | 8 => ClusterSource::ReadOnly {
+                depth: 1,
+                offset: here,
+            },
+            _ => {
+                *left = 0;
+                let r = next();
+                ClusterSource::Mixed(
+                    (0..cs / PAGE_SIZE)
+                        .map(|p| {
+                            if (r >> p) & 1 == 0 {
+                                PageLocation::Zero
+                            } else {
+                                PageLocation::File {
+                                    depth: 1,
+                                    offset: here + p * PAGE_SIZE,
+                                }
+                            }
+                        })
+                        .collect(),
+                )
+            }
+        }
+    }
+
+    #[test]
+    fn deferring_while_planning_equals_deferring_the_whole_plan() {
+        let cs = 4 * PAGE_SIZE;
+        let rooms = [0u64, 1, 2, 5, 10, 20, 40, 100, 5000];
+        for (seed, room) in (1..=30u64).flat_map(|s| rooms.iter().map(move |&r| (s, r))) {
+            let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            let mut file = (0, 0, 0);
+            let sources: Vec<ClusterSource> =
+                (0..3000).map(|_| source(&mut s, &mut file, cs)).collect();
+            // The whole plan, then one pass.
+            let (mut all, mut all_states) = (Vec::new(), Vec::new());
+            for (vcn, src) in sources.iter().enumerate() {
+                let st = plan_cluster(src.clone(), vcn as u64 * cs, cs, |r| push_run(&mut all, r));
+                all_states.push(st);
+            }
+            let planned = all.len();
+            let once = Deferral::new(cs, room).finish(&mut all, &mut all_states);
+            // Deferred while planning, as `plan` does.
+            let (mut runs, mut states) = (Vec::new(), Vec::new());
+            let mut d = Deferral::new(cs, room);
+            let mut most = 0;
+            for (vcn, src) in sources.iter().enumerate() {
+                let st = plan_cluster(src.clone(), vcn as u64 * cs, cs, |r| push_run(&mut runs, r));
+                states.push(st);
+                d.bound(&mut runs, &mut states);
+                most = most.max(runs.len());
+            }
+            let progressive = d.finish(&mut runs, &mut states);
+            assert_eq!(
+                (progressive, &runs, &states),
+                (once, &all, &all_states),
+                "seed {seed}, room {room}"
+            );
+            assert!(most as u64 <= 2 * room + 3, "room {room}: {most} runs held");
+            if room < 100 {
+                assert!(
+                    planned as u64 > 2 * room + 3 && once > 0,
+                    "room {room}: nothing to defer"
+                );
+            }
+            if once > 0 {
+                assert!(
+                    runs.len() as u64 <= room + 1,
+                    "room {room}: {} runs",
+                    runs.len()
+                );
+            }
+        }
     }
 }

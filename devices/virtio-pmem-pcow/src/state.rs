@@ -77,7 +77,7 @@ pub(crate) struct Counters {
     /// Mappings estimated when the region was built.
     pub(crate) planned_vmas: u64,
     /// Clusters with data the open left unmapped (too many mappings, see
-    /// [`crate::plan::defer_short_runs`]): their first fault maps them.
+    /// [`crate::plan::Deferral`]): their first fault maps them.
     pub(crate) deferred: u64,
 }
 
