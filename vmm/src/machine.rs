@@ -350,6 +350,7 @@ impl Pmem {
                 c.push(("zero_maps", f.read_faults));
                 c.push(("deferred_maps", f.deferred_mapped));
                 c.push(("deferred_copies", f.deferred_copied));
+                c.push(("deferred_ahead", f.deferred_ahead));
             }
         }
         c
@@ -1060,7 +1061,7 @@ impl Machine {
                     // mapped at the end.
                     if let Some(Ok(st)) = p.pcow().map(PcowRegion::status) {
                         log::info!(
-                            "pmem {}: faults: {} write, {} read, {} woken only, {} clusters mapped ahead, {} left unmapped at open mapped ({} copied in); clusters: {} shared, {} private, {} zero-mapped, {} holes",
+                            "pmem {}: faults: {} write, {} read, {} woken only, {} clusters mapped ahead, {} left unmapped at open mapped ({} copied in, {} read ahead); clusters: {} shared, {} private, {} zero-mapped, {} holes",
                             p.id,
                             st.faults.write_faults,
                             st.faults.read_faults,
@@ -1068,6 +1069,7 @@ impl Machine {
                             st.faults.clusters_ahead,
                             st.faults.deferred_mapped,
                             st.faults.deferred_copied,
+                            st.faults.deferred_ahead,
                             st.shared,
                             st.private,
                             st.zero_mapped,

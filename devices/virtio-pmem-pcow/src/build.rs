@@ -302,5 +302,6 @@ pub(crate) fn build(
             ..Counters::default()
         },
         expand_window: (opts.expand_window.unwrap_or(DEFAULT_EXPAND_WINDOW) / cs).max(1),
+        read_ahead_next: 0,
     })
 }

@@ -110,7 +110,7 @@ pub use device::{
     DeviceError, FlushBackend, FlushError, Metrics, PmemDevice, CONFIG_SIZE, DEVICE_TYPE,
     QUEUE_SIZE,
 };
-pub use fault::{Monitor, MonitorError, NoCluster};
+pub use fault::{Monitor, MonitorError, NoCluster, READ_AHEAD_BYTES};
 pub use freeze::{fail_next_freeze, FreezeError, FreezeInfo, FreezeStep};
 pub use health::{is_out_of_space, Failure};
 pub use mapping::{max_map_count, MapsError, VMA_MARGIN};

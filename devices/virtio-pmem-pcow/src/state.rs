@@ -57,15 +57,19 @@ pub struct FaultCounters {
     /// their expansion window (see [`crate::RegionOptions::expand_window`]):
     /// faults the guest did not take.
     pub clusters_ahead: u64,
-    /// Faults that mapped a cluster with data the region had left
-    /// unmapped: the open, for an image too scattered to map whole (see
-    /// [`crate::RegionOptions::max_map_count`]), or a window's fill whose
-    /// mapping failed.
+    /// Clusters with data the region had left unmapped (the open, for an
+    /// image too scattered to map whole, see
+    /// [`crate::RegionOptions::max_map_count`], or a window's fill whose
+    /// mapping failed) that a fault mapped, theirs or one reading ahead.
     pub deferred_mapped: u64,
-    /// Faults in such a cluster that could not be mapped (no mapping left
-    /// under the process's limit): its data was copied into the region's
+    /// Such clusters that could not be mapped (no mapping left under the
+    /// process's limit): their data was copied into the region's
     /// anonymous memory instead, like a zero-mapped hole's zeros.
     pub deferred_copied: u64,
+    /// Of the deferred clusters mapped or copied, those resolved by the
+    /// fault of the cluster before them while the guest read in order
+    /// (see [`crate::READ_AHEAD_BYTES`]): faults the guest did not take.
+    pub deferred_ahead: u64,
 }
 
 /// Counters the status reports.
@@ -100,6 +104,10 @@ pub(crate) struct RegionState {
     /// Clusters per expansion window (1: every write fault maps its own
     /// cluster only), see [`crate::RegionOptions::expand_window`].
     pub(crate) expand_window: u64,
+    /// The deferred cluster a guest reading in order faults in next: the
+    /// one after the last fault's, or after what it read ahead (see
+    /// [`crate::READ_AHEAD_BYTES`]).
+    pub(crate) read_ahead_next: u64,
 }
 
 impl Drop for RegionState {

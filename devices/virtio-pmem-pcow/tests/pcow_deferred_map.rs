@@ -14,7 +14,7 @@ mod common;
 use common::*;
 
 use pcow::{Image, OpenOptions};
-use virtio_pmem_pcow::{RegionOptions, VMA_MARGIN};
+use virtio_pmem_pcow::{RegionOptions, READ_AHEAD_BYTES, VMA_MARGIN};
 
 /// Held by each test: a region another test opens meanwhile would change
 /// the process's mappings under the budget.
@@ -212,6 +212,81 @@ fn an_image_that_fits_is_mapped_whole_at_open() {
     same(&rig.read(0, model.len()), &model, "region");
     let f = rig.region.status().unwrap().faults;
     assert_eq!(f.deferred_mapped + f.deferred_copied, 0, "{f:?}");
+    rig.close();
+    check_clean(&path);
+}
+
+#[test]
+fn a_guest_reading_in_order_gets_deferred_clusters_resolved_ahead_of_its_faults() {
+    if !uffd_or_skip("a_guest_reading_in_order_gets_deferred_clusters_resolved_ahead_of_its_faults")
+    {
+        return;
+    }
+    let _one = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("every.pcow");
+    let (cs, n) = (PAGE, 1500u64);
+    // Every cluster holds data, written in a scattered order: few
+    // neighbours are neighbours in the file, so the open defers nearly
+    // all.
+    let mut model = vec![0u8; (n * cs) as usize];
+    let mut img = create(&path, n * cs, cs, None);
+    for vcn in shuffled(n, 5) {
+        let data = pattern(vcn + 77, 32);
+        let at = vcn * cs + 500;
+        img.write_at(&data, at).unwrap();
+        model[at as usize..][..32].copy_from_slice(&data);
+    }
+    img.close().unwrap();
+    let ahead = READ_AHEAD_BYTES / cs;
+
+    // In order: one fault per read-ahead window, not one per cluster.
+    let rig = Rig::open(&path, &tight(100)).unwrap();
+    let deferred = rig.region.status().unwrap().deferred_at_open;
+    assert!(deferred >= n - 100, "nearly all deferred: {deferred}");
+    same(&rig.read(0, model.len()), &model, "read in order");
+    let f = rig.region.status().unwrap().faults;
+    assert_eq!(
+        f.deferred_mapped + f.deferred_copied,
+        deferred,
+        "each once: {f:?}"
+    );
+    assert!(f.deferred_copied > 0, "past the budget too: {f:?}");
+    let faulted = deferred - f.deferred_ahead;
+    assert!(
+        faulted <= n / (ahead + 1) + 2 * (n - deferred) + 3,
+        "{faulted} faults for {deferred} clusters with {ahead} read ahead: {f:?}"
+    );
+    // Written after, through clusters mapped and copied ahead.
+    write_some(&rig, n, cs, 9, &mut model);
+    rig.region.barrier().unwrap();
+    rig.close();
+    check_clean(&path);
+    same(&reopen_read(&path), &model, "image after writes");
+
+    // At random: every cluster still read as the image holds it, each
+    // resolved once, whether by its own fault or by one before it.
+    let rig = Rig::open(&path, &tight(100)).unwrap();
+    let deferred = rig.region.status().unwrap().deferred_at_open;
+    assert!(deferred >= n - 100, "nearly all deferred: {deferred}");
+    for vcn in shuffled(n, 6) {
+        let at = vcn * cs;
+        same(
+            &rig.read(at, cs as usize),
+            &model[at as usize..][..cs as usize],
+            &format!("cluster {vcn} read at random"),
+        );
+    }
+    let f = rig.region.status().unwrap().faults;
+    assert_eq!(
+        f.deferred_mapped + f.deferred_copied,
+        deferred,
+        "each once: {f:?}"
+    );
+    assert!(
+        f.deferred_ahead < n / 2,
+        "a random reader gets little read ahead: {f:?}"
+    );
     rig.close();
     check_clean(&path);
 }
