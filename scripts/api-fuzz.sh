@@ -90,8 +90,9 @@ printf '[cache]\nenabled = false\n' >"$config"
 
 # --- binaries ----------------------------------------------------------------
 echo "==> building cloud-hypervisor and pcow-img"
-cargo build --quiet -p vmm --bin cloud-hypervisor
-cargo build --quiet -p pcow --bin pcow-img
+# The test profile: the binaries `cargo test` built (the dev profile would
+# build the whole workspace a second time).
+cargo build --quiet --profile test -p vmm --bin cloud-hypervisor -p pcow --bin pcow-img
 tdir=${CARGO_TARGET_DIR:-target}
 case $tdir in /*) ;; *) tdir=$root/$tdir ;; esac
 vmm_bin="$tdir/debug/cloud-hypervisor"

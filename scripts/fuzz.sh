@@ -3,7 +3,8 @@
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
 #
-# Default: 30 s per target, all targets, one after the other. Installs
+# Default: 30 s per target, all targets, FUZZ_JOBS of them at a time
+# (default one per core). Installs
 # cargo-fuzz when it is missing, makes the seed corpora
 # (scripts/fuzz-seeds.sh), builds the targets with AddressSanitizer on the
 # stable toolchain (RUSTC_BOOTSTRAP=1, see the doc), and runs each with a
@@ -66,21 +67,36 @@ done
 
 logs="$root/fuzz/logs${FUZZ_LOG_SUFFIX:+/$FUZZ_LOG_SUFFIX}"
 mkdir -p "$logs"
-failed=()
-summary=()
-for t in "${targets[@]}"; do
-    echo "==> $t: ${secs} s"
-    log="$logs/$t.log"
-    mkdir -p "fuzz/corpus/$t"
-    rc=0
-    mkdir -p "fuzz/artifacts/$t"
+# Targets run side by side, FUZZ_JOBS at a time (default: one per core);
+# each writes its exit status next to its log.
+jobs=${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)}
+case "$jobs" in '' | *[!0-9]* | 0) die "FUZZ_JOBS must be a positive number, got '$jobs'" ;; esac
+run_target() {
+    local t=$1 rc=0
+    mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
     # The binary built above, not `cargo fuzz run`: that would rebuild when
     # the sources changed since, inside a long campaign.
     # shellcheck disable=SC2086
     (cd fuzz && "$bin_dir/$t" "corpus/$t" -artifact_prefix="artifacts/$t/" \
         -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
         -max_len="$(max_len "$t")" -print_final_stats=1 ${FUZZ_ARGS:-}) \
-        >"$log" 2>&1 || rc=$?
+        >"$logs/$t.log" 2>&1 || rc=$?
+    echo "$rc" >"$logs/$t.rc"
+}
+for t in "${targets[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+    echo "==> $t: ${secs} s"
+    rm -f "$logs/$t.rc"
+    run_target "$t" &
+done
+wait
+
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+    log="$logs/$t.log"
+    # No status file: the runner itself died (counted as a failure).
+    rc=$(cat "$logs/$t.rc" 2>/dev/null || echo 255)
     # The last status line has cov: and ft:; the final stats have exec/s.
     status=$(grep -E '^#[0-9]+' "$log" | grep 'cov:' | tail -n1 || true)
     cov=$(sed -nE 's/.* cov: ([0-9]+).*/\1/p' <<<"$status")

@@ -123,7 +123,9 @@ scripts/sandbox/selftest.sh
 step "nested sandbox: KVM tests on L1's kvm-amd (the dirty ring; scripts/sandbox/kvm-tests-l1.sh)"
 scripts/sandbox/kvm-tests-l1.sh
 
+# The VMM and tools cargo test built (test profile) go into L1: a release
+# build would compile the workspace a second time.
 step "nested sandbox: cloud-hypervisor scenarios with real Linux guests"
-scripts/sandbox/vmm-scenarios.sh
+VMMSC_PROFILE=${VMMSC_PROFILE:-test} scripts/sandbox/vmm-scenarios.sh
 
 step "all tests passed in $((SECONDS - t_start)) s"
