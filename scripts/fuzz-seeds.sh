@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Seed corpora for the fuzz targets (docs/fuzzing.md), made with the real
-# writer: builds pcow-img (`cargo build --profile test -p pcow`), creates images
+# writer: builds pcow-img (`cargo build --release -p pcow`), creates images
 # (empty, written, with snapshots, compacted, resized, with a base chain, a
 # raw base, a cycle; 4K, 16K, 64K and 2M clusters) in a temporary directory
 # and copies them into fuzz/corpus/<target>/ as seed-* files (git-ignored;
@@ -15,10 +15,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$(pwd)
 die() { printf 'fuzz-seeds.sh: error: %s\n' "$*" >&2; exit 1; }
 
-# The test profile: the pcow-img `cargo test` built (its directory is
-# debug/), not a release build of its own.
-cargo build --profile test -p pcow --bin pcow-img >&2 || die "cannot build pcow-img"
-img="${CARGO_TARGET_DIR:-$root/target}/debug/pcow-img"
+cargo build --release -p pcow --bin pcow-img >&2 || die "cannot build pcow-img"
+img="${CARGO_TARGET_DIR:-$root/target}/release/pcow-img"
 [ -x "$img" ] || die "$img not found"
 
 tmp=$(mktemp -d)
