@@ -132,9 +132,10 @@
 #   VMMSC_JOBS (groups whose L1 runs at the same time, default 2 on a host
 #     with 2 or more cores)
 #   VMMSC_PROFILE (cargo profile of the binaries, default release; test:
-#     opt-level 1 with debug assertions. Measured 2026-11-26: test saved 63 s
-#     of the build beside `cargo test`'s artifacts but cost 75 s more in the
-#     L1 runs, so the test command keeps release)
+#     opt-level 1 with debug assertions. Measured 2026-11-26 beside `cargo
+#     test`'s artifacts: the test profile's build took as long as the
+#     release one, 67 s against 70 s, its binaries' features differing from
+#     the tests', and the L1 runs as long, so the test command keeps release)
 #   SANDBOX_TIMEOUT (s): one timeout for every group instead of the computed
 #     ones; CARGO_TARGET_DIR
 # A scenario's verdict is its own: the images of each finished scenario are
