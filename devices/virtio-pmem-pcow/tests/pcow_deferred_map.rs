@@ -44,16 +44,28 @@ fn shuffled(n: u64, seed: u64) -> Vec<u64> {
     order
 }
 
-/// Writes 24 bytes into every even cluster of `img`, in a scattered
-/// order (so no two are neighbours in the file), and into `model`.
-fn scatter(img: &mut Image, clusters: u64, cs: u64, seed: u64, model: &mut [u8]) {
-    for c in shuffled(clusters / 2, seed) {
-        let vcn = 2 * c;
+/// Writes 24 bytes into each of clusters `vcns` of `img`, in that order,
+/// and into `model`.
+fn write_clusters(
+    img: &mut Image,
+    vcns: impl IntoIterator<Item = u64>,
+    cs: u64,
+    seed: u64,
+    model: &mut [u8],
+) {
+    for vcn in vcns {
         let data = pattern(vcn + seed, 24);
         let at = vcn * cs + 100;
         img.write_at(&data, at).unwrap();
         model[at as usize..][..24].copy_from_slice(&data);
     }
+}
+
+/// Writes every even cluster of `img` in a scattered order (so no two
+/// are neighbours in the file).
+fn scatter(img: &mut Image, clusters: u64, cs: u64, seed: u64, model: &mut [u8]) {
+    let evens = shuffled(clusters / 2, seed).into_iter().map(|c| 2 * c);
+    write_clusters(img, evens, cs, seed, model);
 }
 
 /// Room for about 2 * `half` mappings past the margin.
@@ -231,12 +243,7 @@ fn a_guest_reading_in_order_gets_deferred_clusters_resolved_ahead_of_its_faults(
     // all.
     let mut model = vec![0u8; (n * cs) as usize];
     let mut img = create(&path, n * cs, cs, None);
-    for vcn in shuffled(n, 5) {
-        let data = pattern(vcn + 77, 32);
-        let at = vcn * cs + 500;
-        img.write_at(&data, at).unwrap();
-        model[at as usize..][..32].copy_from_slice(&data);
-    }
+    write_clusters(&mut img, shuffled(n, 5), cs, 77, &mut model);
     img.close().unwrap();
     let ahead = READ_AHEAD_BYTES / cs;
 
