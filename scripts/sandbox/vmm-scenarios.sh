@@ -101,7 +101,7 @@
 #
 # Environment:
 #   VMMSC_VMM=ch (default: build and run target/release/cloud-hypervisor and
-#     ch-remote; target/debug/ with VMMSC_PROFILE=test) or
+#     ch-remote) or
 #     qemu (stand-in: QEMU -accel kvm in L1 on raw copies of the images,
 #     snapshots and overlays emulated by copies; for developing the harness)
 #   VMMSC_SCENARIOS="1 2 ... 19" (default all; a subset runs only those;
@@ -131,11 +131,6 @@
 #                    and that run's serial logs (one per group)
 #   VMMSC_JOBS (groups whose L1 runs at the same time, default 2 on a host
 #     with 2 or more cores)
-#   VMMSC_PROFILE (cargo profile of the binaries, default release; test:
-#     opt-level 1 with debug assertions. Measured 2026-11-26 beside `cargo
-#     test`'s artifacts: the test profile's build took as long as the
-#     release one, 67 s against 70 s, its binaries' features differing from
-#     the tests', and the L1 runs as long, so the test command keeps release)
 #   SANDBOX_TIMEOUT (s): one timeout for every group instead of the computed
 #     ones; CARGO_TARGET_DIR
 # A scenario's verdict is its own: the images of each finished scenario are
@@ -214,13 +209,7 @@ out=$W/out
 cd "$REPO_ROOT"
 tdir=${CARGO_TARGET_DIR:-target}
 case $tdir in /*) ;; *) tdir=$REPO_ROOT/$tdir ;; esac
-profile=${VMMSC_PROFILE:-release}
-case $profile in
-    release) bdir=$tdir/release ;;
-    test | dev) bdir=$tdir/debug ;;
-    *) die "VMMSC_PROFILE must be release, test or dev, got '$profile'" ;;
-esac
-PCOW_IMG=$bdir/pcow-img
+PCOW_IMG=$tdir/release/pcow-img
 
 declare -A LOGOF=() RCOF=() TOOF=() WALLOF=()
 if [ -n "${VMMSC_RECHECK:-}" ]; then
@@ -255,15 +244,15 @@ else
     t_fetch=$(elapsed "$t")
 
     # ---- binaries ------------------------------------------------------------------
-    say "== cargo build --profile $profile ($([ "$VMM" = ch ] && echo "cloud-hypervisor + ch-remote + ")pcow-img)"
+    say "== cargo build --release ($([ "$VMM" = ch ] && echo "cloud-hypervisor + ch-remote + ")pcow-img)"
     t=$(now)
     if [ "$VMM" = ch ]; then
-        cargo build --profile "$profile" -q -p vmm --bin cloud-hypervisor -p pcow --bin pcow-img -p api_client --bin ch-remote \
+        cargo build --release -q -p vmm --bin cloud-hypervisor -p pcow --bin pcow-img -p api_client --bin ch-remote \
             || die "cargo build of cloud-hypervisor/pcow-img/ch-remote failed (VMMSC_VMM=qemu runs the harness with QEMU as a stand-in VMM)"
-        [ -x "$bdir/cloud-hypervisor" ] || die "$bdir/cloud-hypervisor missing after the build"
-        [ -x "$bdir/ch-remote" ] || die "$bdir/ch-remote missing after the build"
+        [ -x "$tdir/release/cloud-hypervisor" ] || die "$tdir/release/cloud-hypervisor missing after the build"
+        [ -x "$tdir/release/ch-remote" ] || die "$tdir/release/ch-remote missing after the build"
     else
-        cargo build --profile "$profile" -q -p pcow --bin pcow-img || die "cargo build of pcow-img failed"
+        cargo build --release -q -p pcow --bin pcow-img || die "cargo build of pcow-img failed"
     fi
     [ -x "$PCOW_IMG" ] || die "$PCOW_IMG missing after the build"
     t_cargo=$(elapsed "$t")
@@ -291,8 +280,8 @@ else
     }
     strip_copy "$PCOW_IMG" "$payload/pcow-img"
     if [ "$VMM" = ch ]; then
-        strip_copy "$bdir/cloud-hypervisor" "$payload/cloud-hypervisor"
-        strip_copy "$bdir/ch-remote" "$payload/ch-remote"
+        strip_copy "$tdir/release/cloud-hypervisor" "$payload/cloud-hypervisor"
+        strip_copy "$tdir/release/ch-remote" "$payload/ch-remote"
     else
         mkdir -p "$payload/qemu/share"
         cp -L "$(command -v qemu-system-x86_64)" "$payload/qemu/qemu-system-x86_64"
@@ -906,6 +895,6 @@ for g in $GROUPS_ORDER; do
     say "group $g: L1 run ${WALLOF[$k1]:--}s of ${TOOF[$k1]:--}s (exit ${RCOF[$k1]:--}); scenario times in L1:$times"
 done
 say "timings: fetch ${t_fetch}s, cargo ${t_cargo}s, build ${t_build}s, L1 runs ${t_run}s ($boots VMM runs), host checks ${t_check}s, total $(elapsed "$t_all")s"
-say "VMM: $([ "$VMM" = ch ] && echo "cloud-hypervisor ($bdir, profile $profile)" || echo "QEMU stand-in (raw images)"); serial logs: $logs"
+say "VMM: $([ "$VMM" = ch ] && echo "cloud-hypervisor ($tdir/release)" || echo "QEMU stand-in (raw images)"); serial logs: $logs"
 echo "vmm scenarios: $pass passed, $fail failed"
 [ "$fail" -eq 0 ] || exit 1
