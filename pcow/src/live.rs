@@ -102,7 +102,7 @@ impl Image {
         Ok(ActiveCluster {
             file_offset: self.g.offset(self.meta.entries[e as usize].cluster),
             fresh,
-            whole: (0..pages).all(|p| self.meta.bit(e, p)),
+            whole: self.meta.full(e, pages),
         })
     }
 
@@ -184,11 +184,20 @@ impl Image {
         let active = self.header.staged.active_layer;
         let parent = self.meta.layers[active as usize].parent;
         let pages = self.g.pages();
-        let mut partial: Vec<(u64, u32)> = self.meta.layers[active as usize]
-            .map
-            .iter()
-            .filter(|&(_, e)| !(0..pages).all(|p| self.meta.bit(e, p)))
-            .collect();
+        // In file order, segment by segment: the bitmaps are read in the
+        // order they lie in memory, where the layer's map would visit them
+        // in the order of their vcns (a cache miss per entry of an image
+        // written in scattered order).
+        let map = &self.meta.layers[active as usize].map;
+        let mut partial: Vec<(u64, u32)> = Vec::new();
+        for seg in self.meta.segments.iter().filter(|s| s.layer == active) {
+            for e in seg.first..seg.first + seg.used {
+                let vcn = self.meta.entries[e as usize].vcn;
+                if !self.meta.full(e, pages) && map.get(&vcn) == Some(&e) {
+                    partial.push((vcn, e));
+                }
+            }
+        }
         partial.sort_unstable();
         let cs = self.g.cluster_size();
         let mut page = vec![0u8; PAGE_SIZE as usize];

@@ -101,6 +101,20 @@ impl ClusterMap {
         self.bitmap(e)[page / 64] & (1 << (page % 64)) != 0
     }
 
+    /// Whether entry `e` holds all its cluster's `pages` pages: a word at
+    /// a time (a 2 MiB cluster has 512 pages, and opening an image asks
+    /// this of every entry).
+    pub(crate) fn full(&self, e: u32, pages: usize) -> bool {
+        let bm = self.bitmap(e);
+        let (whole, rest) = (pages / 64, pages % 64);
+        bm.get(..whole)
+            .is_some_and(|words| words.iter().all(|w| *w == u64::MAX))
+            && (rest == 0
+                || bm
+                    .get(whole)
+                    .is_some_and(|w| w | (u64::MAX << rest) == u64::MAX))
+    }
+
     /// Sets pages `first..=last` of entry `e`; its segment is dirty.
     pub(crate) fn set_bits(&mut self, e: u32, first: usize, last: usize) {
         let w = self.words;
@@ -162,6 +176,46 @@ impl Layer {
             map: VcnMap::default(),
             cur_slot: None,
             dirty: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `full` against the page-by-page answer, for clusters of 1 to 512
+    /// pages, a page missing anywhere or pages set past the cluster's end.
+    #[test]
+    fn full_answers_as_every_page_would() {
+        for pages in [1usize, 2, 16, 63, 64, 65, 128, 200, 512] {
+            let words = pages.div_ceil(64);
+            let mut map = ClusterMap::new(words);
+            let mut cases: Vec<Vec<u64>> = Vec::new();
+            let all: Vec<u64> = (0..words)
+                .map(|w| {
+                    let n = (pages - w * 64).min(64);
+                    if n == 64 {
+                        u64::MAX
+                    } else {
+                        (1u64 << n) - 1
+                    }
+                })
+                .collect();
+            cases.push(all.clone());
+            cases.push(vec![u64::MAX; words]);
+            for missing in [0, pages / 2, pages - 1] {
+                let mut bm = all.clone();
+                bm[missing / 64] &= !(1 << (missing % 64));
+                cases.push(bm);
+            }
+            cases.push(vec![0; words]);
+            for (i, bm) in cases.iter().enumerate() {
+                map.bitmaps.extend_from_slice(bm);
+                let e = i as u32;
+                let want = (0..pages).all(|p| map.bit(e, p));
+                assert_eq!(map.full(e, pages), want, "{pages} pages, case {i}");
+            }
         }
     }
 }

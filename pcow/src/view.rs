@@ -123,7 +123,7 @@ impl Image {
     pub fn cluster_source(&self, vcn: u64) -> ClusterSource {
         let active = self.header.staged.active_layer;
         if let Some(&e) = self.meta.layers[active as usize].map.get(&vcn) {
-            if (0..self.g.pages()).all(|p| self.meta.bit(e, p)) {
+            if self.meta.full(e, self.g.pages()) {
                 return ClusterSource::Active {
                     offset: self.g.offset(self.meta.entries[e as usize].cluster),
                 };
@@ -195,7 +195,7 @@ impl Image {
                 }
                 let active = b.header.staged.active_layer;
                 if let Some(&e) = b.meta.layers[active as usize].map.get(&vcn) {
-                    if (0..b.g.pages()).all(|p| b.meta.bit(e, p)) {
+                    if b.meta.full(e, b.g.pages()) {
                         return Some(ClusterSource::ReadOnly {
                             depth,
                             offset: b.g.offset(b.meta.entries[e as usize].cluster),
@@ -442,7 +442,7 @@ mod tests {
                 let whole_active = img.meta.layers[active]
                     .map
                     .get(&vcn)
-                    .is_some_and(|&e| (0..img.g.pages()).all(|p| img.meta.bit(e, p)));
+                    .is_some_and(|&e| img.meta.full(e, img.g.pages()));
                 if !whole_active {
                     assert_eq!(
                         fast,
