@@ -659,3 +659,53 @@ fn commit_into_a_deeper_base_makes_it_show_the_top_and_keeps_the_top() {
     assert!(e.to_string().contains("missing.pcow"), "{e}");
     assert_eq!(std::fs::read(p("other.raw")).unwrap(), vec![0u8; 4096]);
 }
+
+/// Completion finds every partial cluster of the active layer when its
+/// entries lie in several segments, written in scattered order, with
+/// another layer's segments before them: each is made whole from the view
+/// below (the base's bytes, or the snapshot's), and nothing else changes.
+#[test]
+fn completion_finds_partial_clusters_in_every_segment_of_the_active_layer() {
+    const CS: u64 = 8192;
+    const CLUSTERS: u64 = 768;
+    let d = tempfile::tempdir().unwrap();
+    let (base, p) = (d.path().join("b.raw"), d.path().join("t.pcow"));
+    let base_bytes: Vec<u8> = (0..CLUSTERS * CS).map(|i| (i / 4096 % 251) as u8).collect();
+    std::fs::write(&base, &base_bytes).unwrap();
+    let mut img = create(&p, CLUSTERS * CS, CS, Some("b.raw"));
+    // Scattered order: 7 is coprime with 768.
+    let order: Vec<u64> = (0..CLUSTERS).map(|i| i * 7 % CLUSTERS).collect();
+    // Layer 0: the first page of a third of the clusters.
+    for &vcn in &order[..256] {
+        img.write_at(&[1; 100], vcn * CS).unwrap();
+    }
+    img.snapshot_create("s").unwrap();
+    // The active layer: the second page of 300 clusters (some of them
+    // written in layer 0 too), and 50 clusters whole.
+    let mut partial = 0;
+    for (i, &vcn) in order[200..550].iter().enumerate() {
+        if i % 7 == 0 {
+            img.write_at(&vec![3; CS as usize], vcn * CS).unwrap();
+        } else {
+            img.write_at(&[2; 100], vcn * CS + 4096).unwrap();
+            partial += 1;
+        }
+    }
+    let before = {
+        let mut b = vec![0u8; (CLUSTERS * CS) as usize];
+        img.read_at(&mut b, 0).unwrap();
+        b
+    };
+    let mut live = LiveImage::new(img).unwrap();
+    assert_eq!(live.complete_active_clusters().unwrap(), partial);
+    assert_eq!(live.complete_active_clusters().unwrap(), 0, "all whole now");
+    for &vcn in &order[200..550] {
+        assert!(
+            matches!(live.cluster_source(vcn), pcow::ClusterSource::Active { .. }),
+            "vcn {vcn}"
+        );
+    }
+    live.close().unwrap();
+    assert_eq!(read_all(&p), before);
+    clean(&p);
+}
