@@ -129,6 +129,9 @@ impl Image {
                     }
                     let seg_idx = self.meta.segments.len() as u32;
                     let first = self.meta.entries.len() as u32;
+                    self.meta.layers[layer as usize]
+                        .map
+                        .preload((0..used as usize).map(|i| read_entry(slot, g, i, &mut [])));
                     for i in 0..used as usize {
                         let entry_at =
                             slot_at + (crate::format::META_FIXED + i * g.entry_size()) as u64;
