@@ -143,32 +143,45 @@ impl Image {
 
     /// [`Image::cluster_source`] of every cluster in `vcns`, in order,
     /// handed to `f`. On an image whose clusters lie scattered over its
-    /// file, one call per cluster waits for a cache miss or two each (its
-    /// entry and bitmap, far from the last cluster's): here the entries of
-    /// a batch are loaded before any is used, so that their misses overlap.
+    /// file, asking each cluster's entry and bitmap costs a cache miss or
+    /// two per cluster (they lie in the order of the file, not of the
+    /// vcns: at 10^6 clusters, most of a device's open). So the data
+    /// cluster of every whole entry is first gathered into a table in
+    /// entry order, one pass over the entries and bitmaps as they lie, a
+    /// sixth of the entries' size; a cluster of the active layer is then
+    /// answered from the layer's map and that table, both small enough to
+    /// stay in the cache. Anything else takes [`Image::cluster_source`].
     pub fn cluster_sources(
         &self,
         vcns: std::ops::Range<u64>,
         mut f: impl FnMut(u64, ClusterSource),
     ) {
-        const BATCH: u64 = 64;
         let map = &self.meta.layers[self.header.staged.active_layer as usize].map;
-        let mut at = vcns.start;
-        while at < vcns.end {
-            let end = at.saturating_add(BATCH).min(vcns.end);
-            let mut touched = 0u64;
-            for vcn in at..end {
-                if let Some(&e) = map.get(&vcn) {
-                    let bitmap = self.meta.bitmap(e);
-                    touched ^= self.meta.entries[e as usize].cluster
-                        ^ bitmap.first().copied().unwrap_or(0);
+        let pages = self.g.pages();
+        // The data cluster of each whole entry; NOT_WHOLE for a partial
+        // one (and for a cluster number the table cannot hold).
+        const NOT_WHOLE: u32 = u32::MAX;
+        let whole: Vec<u32> = (0..self.meta.entries.len())
+            .map(|e| {
+                let cluster = self.meta.entries[e].cluster;
+                match u32::try_from(cluster) {
+                    Ok(c) if c != NOT_WHOLE && self.meta.full(e as u32, pages) => c,
+                    _ => NOT_WHOLE,
                 }
-            }
-            std::hint::black_box(touched);
-            for vcn in at..end {
-                f(vcn, self.cluster_source(vcn));
-            }
-            at = end;
+            })
+            .collect();
+        for vcn in vcns {
+            let cluster = map
+                .get(&vcn)
+                .and_then(|&e| whole.get(e as usize))
+                .filter(|&&c| c != NOT_WHOLE);
+            let source = match cluster {
+                Some(&c) => ClusterSource::Active {
+                    offset: self.g.offset(u64::from(c)),
+                },
+                None => self.cluster_source(vcn),
+            };
+            f(vcn, source);
         }
     }
 

@@ -696,9 +696,23 @@ fn completion_finds_partial_clusters_in_every_segment_of_the_active_layer() {
         img.read_at(&mut b, 0).unwrap();
         b
     };
+    // The batched walk a device's open makes answers as one cluster at a
+    // time does: whole active clusters, partial ones, the snapshot's, the
+    // base's.
+    let every = |img: &pcow::Image| {
+        let mut got = Vec::new();
+        img.cluster_sources(0..CLUSTERS, |vcn, s| got.push((vcn, s)));
+        let one_by_one: Vec<_> = (0..CLUSTERS).map(|v| (v, img.cluster_source(v))).collect();
+        assert_eq!(got, one_by_one);
+        got.iter()
+            .filter(|(_, s)| matches!(s, pcow::ClusterSource::Active { .. }))
+            .count()
+    };
+    assert_eq!(every(&img), 350 - partial as usize);
     let mut live = LiveImage::new(img).unwrap();
     assert_eq!(live.complete_active_clusters().unwrap(), partial);
     assert_eq!(live.complete_active_clusters().unwrap(), 0, "all whole now");
+    assert_eq!(every(&live), 350);
     for &vcn in &order[200..550] {
         assert!(
             matches!(live.cluster_source(vcn), pcow::ClusterSource::Active { .. }),
