@@ -21,7 +21,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use crate::commit::{progress, Commit, HeaderWrite, Pending, Progress, SlotOf, Written};
+use crate::commit::{progress, Commit, Pending, Progress, SlotOf, SlotWrite, Written};
 use crate::error::{io_err, Error, Result};
 use crate::format::{encode_meta, encode_snap, push_entry, Header, Slot, SnapSlot, MAX_GENERATION};
 use crate::image::Image;
@@ -36,6 +36,24 @@ impl Image {
             self.storage.write_at(&slot.prefix(p.len), at)?;
         }
         Ok(p.content_end)
+    }
+
+    /// [`Image::write_slot`] staged for a commit: the record raised now,
+    /// the write (if anything can differ) returned for the commit to
+    /// issue. Returns it and the content's end.
+    fn stage_slot(
+        &mut self,
+        slot: &Slot,
+        at: u64,
+        what: &'static str,
+    ) -> (Option<SlotWrite>, usize) {
+        let p = self.commit.slot_ends.prefix_to_write(at, slot);
+        let w = (p.len > 0).then(|| SlotWrite {
+            bytes: slot.prefix(p.len),
+            at,
+            what,
+        });
+        (w, p.content_end)
     }
 }
 
@@ -96,11 +114,16 @@ impl Image {
             .storage
             .commit_io()
             .map_err(io_err(&path, "opening the commit handle"))?;
-        let (written, header, header_write) = if self.commit.meta_dirty {
-            let (written, h, hslot, hwrite, hend) = self.stage_metadata()?;
-            (written, Some((h, hslot, hwrite.at, hend)), Some(hwrite))
+        let (written, slots, header, header_write) = if self.commit.meta_dirty {
+            let (written, slots, h, hslot, hwrite, hend) = self.stage_metadata()?;
+            (
+                written,
+                slots,
+                Some((h, hslot, hwrite.at, hend)),
+                Some(hwrite),
+            )
         } else {
-            (Vec::new(), None, None)
+            (Vec::new(), Vec::new(), None, None)
         };
         // Staged: what the commit covers is no longer dirty; anything
         // changed from here on marks it again for the next commit.
@@ -127,6 +150,7 @@ impl Image {
             gate: pending.gate.clone(),
             io,
             path,
+            slots,
             sync_first,
             header: header_write,
         };
@@ -134,10 +158,12 @@ impl Image {
         Ok(Some(commit))
     }
 
-    /// Writes the dirty slots and encodes the next header (see
-    /// [`crate::LiveImage::begin_commit`]); marks nothing clean.
+    /// Encodes the dirty slots and the next header, for the commit to
+    /// write (see [`crate::LiveImage::begin_commit`]); marks nothing clean.
     #[allow(clippy::type_complexity)]
-    fn stage_metadata(&mut self) -> Result<(Vec<Written>, Header, u8, HeaderWrite, usize)> {
+    fn stage_metadata(
+        &mut self,
+    ) -> Result<(Vec<Written>, Vec<SlotWrite>, Header, u8, SlotWrite, usize)> {
         let path = self.path.clone();
         // Readers refuse generations past the limit, so never write one.
         let gen = self.header.committed_gen + 1;
@@ -150,6 +176,7 @@ impl Image {
         let g = self.g;
         let slot_bytes = g.slot_size() as u64;
         let mut written = Vec::new();
+        let mut slots = Vec::new();
         let mut entries = Vec::new();
         for i in 0..self.meta.segments.len() {
             let seg = &self.meta.segments[i];
@@ -167,9 +194,8 @@ impl Image {
             let slot = other(seg.cur_slot);
             let buf = encode_meta(g, gen, seg.meta, seg.layer, seg.used, &entries);
             let at = g.offset(seg.meta) + u64::from(slot) * slot_bytes;
-            let end = self
-                .write_slot(&buf, at)
-                .map_err(io_err(&path, "writing a meta cluster"))?;
+            let (w, end) = self.stage_slot(&buf, at, "writing a meta cluster");
+            slots.extend(w);
             written.push(Written {
                 of: SlotOf::Segment(i),
                 slot,
@@ -197,9 +223,8 @@ impl Image {
             let slot = other(layer.cur_slot);
             let buf = encode_snap(g, gen, layer.start, &s);
             let at = g.offset(layer.start) + u64::from(slot) * slot_bytes;
-            let end = self
-                .write_slot(&buf, at)
-                .map_err(io_err(&path, "writing a snapshot cluster"))?;
+            let (w, end) = self.stage_slot(&buf, at, "writing a snapshot cluster");
+            slots.extend(w);
             written.push(Written {
                 of: SlotOf::Layer(i),
                 slot,
@@ -219,11 +244,12 @@ impl Image {
         // The record is raised before the write is issued (by the commit),
         // as `write_slot` does.
         let p = self.commit.slot_ends.prefix_to_write(hat, &hslot_bytes);
-        let hwrite = HeaderWrite {
+        let hwrite = SlotWrite {
             bytes: hslot_bytes.prefix(p.len),
             at: hat,
+            what: "writing the header",
         };
-        Ok((written, h, hslot, hwrite, p.content_end))
+        Ok((written, slots, h, hslot, hwrite, p.content_end))
     }
 
     /// Takes the pending record of `c`, or refuses a commit that is not

@@ -87,11 +87,13 @@ impl Pending {
     }
 }
 
-/// The header slot a commit writes, as the bytes to write there.
+/// A slot a commit writes (a metadata slot, the header), as the bytes to
+/// write there and what they are (for the error).
 #[derive(Debug)]
-pub(crate) struct HeaderWrite {
+pub(crate) struct SlotWrite {
     pub(crate) bytes: Vec<u8>,
     pub(crate) at: u64,
+    pub(crate) what: &'static str,
 }
 
 /// A commit staged by [`crate::LiveImage::begin_commit`]: the I/O that makes it
@@ -103,9 +105,14 @@ pub struct Commit {
     pub(crate) gate: Gate,
     pub(crate) io: Box<dyn CommitIo>,
     pub(crate) path: PathBuf,
+    /// The metadata slots, written first: staged under the image's lock,
+    /// written without it, so that nothing waiting for the image (a fault)
+    /// waits for the file system (a `pwrite` waits for any `fallocate` of
+    /// the same file in flight, the pool worker's).
+    pub(crate) slots: Vec<SlotWrite>,
     /// Sync data and slots before the header (or alone, for a data sync).
     pub(crate) sync_first: bool,
-    pub(crate) header: Option<HeaderWrite>,
+    pub(crate) header: Option<SlotWrite>,
 }
 
 impl std::fmt::Debug for Commit {
@@ -119,8 +126,8 @@ impl std::fmt::Debug for Commit {
 }
 
 impl Commit {
-    /// Makes the commit durable: syncs the data and the slots written at
-    /// begin, writes the header slot, syncs again. Needs no lock on the
+    /// Makes the commit durable: writes the slots staged at begin, syncs
+    /// them and the data, writes the header slot, syncs again. Needs no lock on the
     /// image. After an error the commit can only be aborted (a failed sync
     /// is not retried: the kernel may have dropped the pages it failed on).
     pub fn write(&mut self) -> Result<()> {
@@ -154,6 +161,11 @@ impl Commit {
 
     fn write_inner(&mut self) -> Result<()> {
         let path = &self.path;
+        for w in &self.slots {
+            self.io
+                .write_at(&w.bytes, w.at)
+                .map_err(io_err(path, w.what))?;
+        }
         // One sync covers the data and the new slots: until the header
         // names the new generation the slots are stale and readers ignore
         // them, so their order against the data does not matter; only the
@@ -169,7 +181,7 @@ impl Commit {
         if let Some(h) = &self.header {
             self.io
                 .write_at(&h.bytes, h.at)
-                .map_err(io_err(path, "writing the header"))?;
+                .map_err(io_err(path, h.what))?;
             self.io.sync().map_err(io_err(path, "syncing the header"))?;
         }
         Ok(())

@@ -373,10 +373,10 @@ impl LiveImage {
         self.image.complete_active_clusters()
     }
 
-    /// Stages a commit of everything written so far, without syncing:
-    /// writes each dirty segment's and layer's slot into its other slot,
-    /// builds the next generation's header from the state as it is now,
-    /// and clears the dirty marks this covers. `None` when there is
+    /// Stages a commit of everything written so far, without any I/O:
+    /// encodes each dirty segment's and layer's slot for its other slot
+    /// and the next generation's header from the state as it is now (the
+    /// [`Commit`] writes them), and clears the dirty marks this covers. `None` when there is
     /// nothing to make durable (or the image is not writing). Changes made
     /// before the commit is finished or aborted belong to the next one.
     /// Refused while another commit is pending.

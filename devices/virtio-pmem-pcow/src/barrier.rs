@@ -25,7 +25,8 @@
 //!    the writable layer and its metadata staged;
 //! 4. writers released, the state lock dropped: once the pages are copied
 //!    and their tracking re-armed, a write belongs to the next barrier;
-//! 5. the commit: the syncs and the header;
+//! 5. the commit: the metadata slots, the syncs and the header (no lock
+//!    held: a `pwrite` waits for the pool worker's `fallocate` in flight);
 //! 6. the state lock again to publish the commit (or, on failure, to keep
 //!    the harvest for the next barrier).
 //!
@@ -141,7 +142,7 @@ pub struct BarrierStats {
     pub copy: Duration,
     /// Time spent in the image's barrier (syncs and metadata commit).
     pub commit: Duration,
-    /// Time spent staging the commit (metadata slots written, the next
+    /// Time spent staging the commit (metadata slots encoded, the next
     /// header built), inside [`BarrierStats::held`] for a plain barrier.
     pub stage: Duration,
     /// Time from the barrier's start until writers were held and the state
@@ -290,7 +291,7 @@ struct Staged {
 }
 
 /// Stages the commit of a barrier whose pages are moved: the metadata
-/// slots written, the next header built (no sync). `None` when nothing is
+/// slots encoded, the next header built (no I/O: the commit writes them). `None` when nothing is
 /// left to make durable. On failure the harvest is kept for the next
 /// barrier.
 fn stage(st: &mut RegionState, moved: Moved) -> Result<Option<Staged>, BarrierError> {
