@@ -363,3 +363,38 @@ fn a_dropped_commit_does_not_block_the_image() {
     let img = Image::open(&path, OpenOptions::read_only()).unwrap();
     assert!(pcow::check::report(&img).is_clean());
 }
+
+/// Staging does no I/O: the file is byte for byte what it was until the
+/// commit writes (a device stages under its state lock, and a `pwrite`
+/// there would make its faults wait for whatever holds the file's inode
+/// lock, the pool worker's `fallocate`). The commit then writes the slots
+/// and the header, and the image reopens with the changes.
+#[test]
+fn staging_writes_nothing_and_the_commit_writes_the_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, mut img) = create(dir.path());
+    img.write_at(&[1; 8192], 0).unwrap();
+    img.snapshot_create("s").unwrap();
+    let mut live = LiveImage::new(img).unwrap();
+    // New metadata in the active layer's segment and a new layer's slot:
+    // a whole cluster, and a page over the snapshot's data.
+    device_write(&mut live, 2, 0, 9);
+    device_write(&mut live, 0, 1, 8);
+    let before = std::fs::read(&path).unwrap();
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
+    assert!(
+        std::fs::read(&path).unwrap() == before,
+        "begin_commit wrote to the file"
+    );
+    c.write().unwrap();
+    assert!(
+        std::fs::read(&path).unwrap() != before,
+        "the commit wrote nothing"
+    );
+    live.finish_commit(c).unwrap();
+    let (committed, _) = crash_view(&path);
+    assert_eq!(page_of(&committed, 2, 0), [9; 4096]);
+    assert_eq!(page_of(&committed, 0, 1), [8; 4096]);
+    assert_eq!(page_of(&committed, 0, 0), [1; 4096]);
+    live.close().unwrap();
+}
