@@ -388,7 +388,15 @@ pub(crate) fn barrier(
         stats.stage = ts.elapsed();
         r
     } else {
+        // The pool worker starts no new piece of a refill while the pages
+        // are copied and the commit staged, and the piece in flight ends
+        // before the writers are held: the copy's writes to the file would
+        // wait for its `fallocate` (the inode lock), and the writers with
+        // them. It refills again during the syncs, for the faults served
+        // meanwhile.
+        let quiet = st.pool.quiet();
         drop(st);
+        quiet.settle();
         // Hold first, lock second: the monitor must be able to serve a
         // writer's fault while the hold waits for that writer.
         let held = hold(quiesce)?;
@@ -396,11 +404,6 @@ pub(crate) fn barrier(
         st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
         stats.wait = t0.elapsed();
         prepare(&mut st)?;
-        // The pool worker starts no new piece of a refill while the pages
-        // are copied and the commit staged: the barrier's writes to the
-        // file wait for at most the piece in flight. It refills again
-        // during the syncs, for the faults served meanwhile.
-        let quiet = st.pool.quiet();
         let staged = move_held(&mut st, &mut stats).and_then(|moved| {
             let ts = Instant::now();
             let r = stage(&mut st, moved);

@@ -177,6 +177,9 @@ struct ChanState {
     /// A barrier runs: the worker starts no `fallocate` (stopping
     /// overrides it).
     quiet: bool,
+    /// The worker is in a piece's `fallocate` (and holds the file's inode
+    /// lock, which every `pwrite` to the image waits for).
+    reserving: bool,
     done: Vec<Done>,
 }
 
@@ -197,19 +200,36 @@ impl Chan {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits while a barrier runs; returns whether the worker is stopped.
-    fn wait_while_quiet(&self) -> bool {
+    /// Before a piece: waits while a barrier runs, then marks the worker
+    /// reserving (in the same lock, so a barrier that asks for quiet
+    /// after it sees the piece and waits for it); returns whether the
+    /// worker is stopped (and then reserves nothing).
+    fn start_piece(&self) -> bool {
         let mut s = self.lock();
         while s.quiet && !s.stop {
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
         }
+        s.reserving = !s.stop;
         s.stop
     }
 
-    /// Posts a reserved (or failed) piece and wakes a fault waiting for it.
+    /// Posts a reserved (or failed) piece and wakes a fault waiting for it
+    /// and a barrier waiting for the piece to end.
     fn post(&self, d: Done) {
-        self.lock().done.push(d);
+        let mut s = self.lock();
+        s.done.push(d);
+        s.reserving = false;
+        drop(s);
         self.piece.notify_all();
+        self.cv.notify_all();
+    }
+
+    /// Waits until no piece is in flight (or the worker is stopped).
+    fn settle(&self) {
+        let mut s = self.lock();
+        while s.reserving && !s.stop {
+            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     fn set_quiet(&self, quiet: bool) {
@@ -222,6 +242,18 @@ impl Chan {
 /// [`PoolCtl::quiet`]).
 #[derive(Debug)]
 pub(crate) struct Quiet(Option<Arc<Chan>>);
+
+impl Quiet {
+    /// Waits for the worker's piece in flight, if any: after it, a
+    /// `pwrite` to the image does not wait for the worker (it starts no
+    /// new piece while this lives). A barrier settles before it holds the
+    /// writers, so that they do not wait for the piece too.
+    pub(crate) fn settle(&self) {
+        if let Some(c) = &self.0 {
+            c.settle();
+        }
+    }
+}
 
 impl Drop for Quiet {
     fn drop(&mut self) {
@@ -273,7 +305,7 @@ fn reserve(file: &File, offset: u64, len: u64, piece: u64, chan: &Chan) {
     };
     let mut at = offset;
     while at < end {
-        if chan.wait_while_quiet() {
+        if chan.start_piece() {
             return;
         }
         let n = (end - at).min(piece);
@@ -679,7 +711,53 @@ impl Drop for PoolCtl {
 
 #[cfg(test)]
 mod tests {
-    use super::{piece_bytes, RESERVE_PIECE};
+    use super::{piece_bytes, Chan, Done, Quiet, RESERVE_PIECE};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    fn done() -> Done {
+        Done {
+            offset: 0,
+            len: 0,
+            result: Ok(()),
+            last: false,
+        }
+    }
+
+    #[test]
+    fn a_quiet_barrier_settles_after_the_piece_in_flight_and_no_new_piece_starts() {
+        let chan = Arc::new(Chan::default());
+        assert!(!chan.start_piece(), "not stopped");
+        let c = chan.clone();
+        let worker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            c.post(done());
+            // The next piece waits for the quiet time to end.
+            let stopped = c.start_piece();
+            c.post(done());
+            stopped
+        });
+        chan.set_quiet(true);
+        let quiet = Quiet(Some(chan.clone()));
+        let t = Instant::now();
+        quiet.settle();
+        assert!(
+            t.elapsed() >= Duration::from_millis(80),
+            "settled before the piece in flight ended: {:?}",
+            t.elapsed()
+        );
+        // Quiet: the worker's next piece has not started.
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!chan.lock().reserving, "a piece started while quiet");
+        drop(quiet);
+        assert!(!worker.join().expect("worker"), "not stopped");
+        assert!(!chan.lock().reserving);
+        assert_eq!(chan.lock().done.len(), 2);
+        // Nothing in flight: settling returns at once.
+        let t = Instant::now();
+        Quiet(Some(chan)).settle();
+        assert!(t.elapsed() < Duration::from_millis(50));
+    }
 
     #[test]
     fn a_piece_is_whole_clusters() {
