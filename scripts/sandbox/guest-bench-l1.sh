@@ -59,6 +59,10 @@ boot() {
     v=$1 jobs=$2 file=$3 vflag=${4:-}
     (while sleep 20; do echo "GB-ALIVE"; done) &
     alive=$!
+    # L1's memory while the VM runs (the boot's lowest is printed after
+    # it): L1 has no swap, and its tmpfs holds every image.
+    (while sleep 1; do grep -E '^MemAvailable:' /proc/meminfo; done >/tmp/mem.txt) &
+    memw=$!
     cmd="console=ttyS0 panic=-1 quiet gb.jobs=$(echo "$jobs" | tr ' ' ',') gb.sizes=$SIZES"
     case $v in
         raw-dax | pcow-*)
@@ -79,8 +83,9 @@ boot() {
             ;;
     esac
     brc=$?
-    kill "$alive" 2>/dev/null
-    wait "$alive" 2>/dev/null
+    kill "$alive" "$memw" 2>/dev/null
+    wait "$alive" "$memw" 2>/dev/null
+    echo "GB-MEMMIN $(awk '{ print $2 }' /tmp/mem.txt | sort -n | head -n1) kB"
     return $brc
 }
 
@@ -119,7 +124,9 @@ one() {
     tr -d '\r' </tmp/run.log >/tmp/run.txt
     grep -q 'L2-RESULT rc=0' /tmp/run.txt && g=ok
     echo "GB-BOOT round=$r variant=$v rc=$rc guest=$g wall=$wall"
-    sed -n '/^GB-MOUNT/p; /^GB-FIO-BEGIN/,/^GB-FIO-END/p' /tmp/run.txt
+    # The job markers and the timing probe's slow events
+    # (guest-bench-timing.patch), in the order written, then fio's output.
+    sed -n '/^GB-MOUNT/p; /^GB-JOB-/p; /SLOWPROBE/p; /^GB-FIO-BEGIN/,/^GB-FIO-END/p' /tmp/run.txt
     if [ $g != ok ] || [ $rc -ne 0 ]; then
         nfail=$((nfail + 1))
         tail -n 25 /tmp/run.txt | sed 's/^/  L2| /'
