@@ -291,9 +291,9 @@ struct Staged {
 }
 
 /// Stages the commit of a barrier whose pages are moved: the metadata
-/// slots encoded, the next header built (no I/O: the commit writes them). `None` when nothing is
-/// left to make durable. On failure the harvest is kept for the next
-/// barrier.
+/// slots encoded, the next header built (no I/O: the commit writes them).
+/// `None` when nothing is left to make durable. On failure the harvest is
+/// kept for the next barrier.
 fn stage(st: &mut RegionState, moved: Moved) -> Result<Option<Staged>, BarrierError> {
     let fallbacks = st.counters.faults.fallbacks;
     let image = st.image_mut()?;

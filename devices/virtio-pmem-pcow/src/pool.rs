@@ -12,8 +12,7 @@
 //! 2. the worker, a thread owning its own handle of the top file (a
 //!    `try_clone`: same open file description), `fallocate`s the range in
 //!    pieces of 256 KiB (or one larger cluster), posts each piece as it is
-//!    reserved, and signals an
-//!    eventfd when the range is done;
+//!    reserved, and signals an eventfd when the range is done;
 //! 3. the monitor, when the eventfd is readable or whenever it serves
 //!    faults, takes the pieces posted so far and tells the image: only a
 //!    piece that continues the file exactly is taken (a fault that ran the
@@ -86,6 +85,12 @@ const INLINE_BYTES: u64 = 4 << 20;
 /// well under 0.1 ms on ext4;
 /// the bound is for a worker that does not get a CPU.
 pub(crate) const PIECE_WAIT: Duration = Duration::from_millis(10);
+
+/// The most a barrier waits for the worker's piece in flight before it
+/// holds the writers ([`Quiet::settle`]): far longer than a piece takes
+/// (milliseconds, hundreds under emulation), bounded for a worker that
+/// died in one.
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
 
 /// How many times its configured size the pool may grow to when faults
 /// find it dry.
@@ -224,12 +229,25 @@ impl Chan {
         self.cv.notify_all();
     }
 
-    /// Waits until no piece is in flight (or the worker is stopped).
-    fn settle(&self) {
+    /// Waits until no piece is in flight (or the worker is stopped), at
+    /// most `bound`: a worker that died in a piece must not hang the
+    /// barrier (which then writes, and waits in the file system if the
+    /// piece is really still in flight). Returns whether it settled.
+    fn settle(&self, bound: Duration) -> bool {
+        let deadline = Instant::now() + bound;
         let mut s = self.lock();
         while s.reserving && !s.stop {
-            s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            s = self
+                .cv
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
+        true
     }
 
     fn set_quiet(&self, quiet: bool) {
@@ -250,7 +268,11 @@ impl Quiet {
     /// writers, so that they do not wait for the piece too.
     pub(crate) fn settle(&self) {
         if let Some(c) = &self.0 {
-            c.settle();
+            if !c.settle(SETTLE_WAIT) {
+                log::warn!(
+                    "the pool worker's piece did not end within {SETTLE_WAIT:?}; the barrier goes on"
+                );
+            }
         }
     }
 }
@@ -755,8 +777,15 @@ mod tests {
         assert_eq!(chan.lock().done.len(), 2);
         // Nothing in flight: settling returns at once.
         let t = Instant::now();
-        Quiet(Some(chan)).settle();
+        Quiet(Some(chan.clone())).settle();
         assert!(t.elapsed() < Duration::from_millis(50));
+        // A piece that never ends (a worker that died in it): the wait is
+        // bounded.
+        assert!(!chan.start_piece());
+        let t = Instant::now();
+        assert!(!chan.settle(Duration::from_millis(100)), "settled");
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        assert!(t.elapsed() < Duration::from_secs(2));
     }
 
     #[test]
