@@ -31,11 +31,11 @@ impl Image {
     /// what the file holds (see [`crate::slot_ends`]).
     /// Returns the content's end for [`crate::slot_ends::SlotEnds::synced`].
     pub(crate) fn write_slot(&mut self, slot: &Slot, at: u64) -> std::io::Result<usize> {
-        let p = self.commit.slot_ends.prefix_to_write(at, slot);
-        if p.len > 0 {
-            self.storage.write_at(&slot.prefix(p.len), at)?;
+        let (w, end) = self.stage_slot(slot, at, "writing a slot");
+        if let Some(w) = w {
+            self.storage.write_at(&w.bytes, w.at)?;
         }
-        Ok(p.content_end)
+        Ok(end)
     }
 
     /// [`Image::write_slot`] staged for a commit: the record raised now,
