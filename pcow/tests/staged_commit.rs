@@ -398,3 +398,75 @@ fn staging_writes_nothing_and_the_commit_writes_the_slots() {
     assert_eq!(page_of(&committed, 0, 0), [1; 4096]);
     live.close().unwrap();
 }
+
+/// On tmpfs a commit does not wait for an `fallocate` of the same file in
+/// flight (a device's pool worker reserving clusters): `fallocate` holds
+/// the inode lock for the whole call, and `pwrite` waits for it, so the
+/// commit stores its slots and header into their pages in memory instead.
+#[test]
+fn on_tmpfs_a_commit_does_not_wait_for_an_fallocate_in_flight() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let shm = Path::new("/dev/shm");
+    let on_tmpfs = is_tmpfs(shm);
+    if !on_tmpfs {
+        eprintln!("skipped: /dev/shm is not tmpfs here");
+        return;
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    let (path, mut img) = create(dir.path());
+    img.write_at(&[1; 4096], 0).unwrap();
+    img.flush().unwrap();
+    img.write_at(&[2; 4096], 0).unwrap();
+    img.flush().unwrap();
+    let mut live = LiveImage::new(img).unwrap();
+    device_write(&mut live, 0, 1, 3);
+    device_write(&mut live, 5, 0, 4);
+    let mut c = live.begin_commit().unwrap().expect("changes to commit");
+
+    // 1 GiB beyond the image's end: about 0.2 s of zeroed pages here,
+    // with the inode lock held throughout.
+    let other = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let end = other.metadata().unwrap().len();
+    let done = Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    let reserver = std::thread::spawn(move || {
+        let r = pcow::io::allocate_file(&other, end, 1 << 30);
+        d.store(true, Ordering::SeqCst);
+        r
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "the fallocate ended within 20 ms: too fast for this test"
+    );
+    let t = Instant::now();
+    c.write().unwrap();
+    let took = t.elapsed();
+    let waited = done.load(Ordering::SeqCst);
+    reserver.join().unwrap().unwrap();
+    assert!(
+        !waited,
+        "the commit waited for the fallocate in flight ({took:?})"
+    );
+    live.finish_commit(c).unwrap();
+    let (committed, _) = crash_view(&path);
+    assert_eq!(page_of(&committed, 0, 0), [2; 4096]);
+    assert_eq!(page_of(&committed, 0, 1), [3; 4096]);
+    assert_eq!(page_of(&committed, 5, 0), [4; 4096]);
+    live.close().unwrap();
+}
+
+fn is_tmpfs(p: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_bytes()) else {
+        return false;
+    };
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: statfs reads the NUL-terminated path and fills `st`.
+    let r = unsafe { libc::statfs(c.as_ptr(), st.as_mut_ptr()) };
+    // SAFETY: statfs succeeded, so it initialized `st`.
+    r == 0 && unsafe { st.assume_init() }.f_type == libc::TMPFS_MAGIC
+}
