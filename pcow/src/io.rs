@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, RawFd};
 
 /// Positioned I/O on the bytes of one image file.
 // An empty file is no special case for an image, so no `is_empty`.
@@ -53,8 +53,8 @@ pub trait CommitIo: Send {
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
-    /// The file is on tmpfs: its commits store into pages in memory
-    /// ([`write_through_mapping`]).
+    /// The file is on tmpfs: its commits store through a mapping
+    /// ([`store_through_mapping`]).
     tmpfs: bool,
 }
 
@@ -106,10 +106,9 @@ struct FileCommitIo {
 }
 
 impl CommitIo for FileCommitIo {
-    /// On tmpfs, through a mapping where the pages are in memory
-    /// ([`write_through_mapping`]): a commit's slots are rewritten in
-    /// place, and a device's guest waits for its FLUSH while they are
-    /// written.
+    /// On tmpfs, through a mapping ([`store_through_mapping`]): a
+    /// device's guest waits for its FLUSH while the commit writes, and a
+    /// `pwrite` would wait for the pool worker's `fallocate` in flight.
     fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
         if self.tmpfs && write_through_mapping(&self.file, buf, offset) {
             return Ok(());
@@ -122,10 +121,15 @@ impl CommitIo for FileCommitIo {
 }
 
 fn on_tmpfs(file: &File) -> bool {
+    fd_on_tmpfs(file.as_raw_fd())
+}
+
+/// Whether the open file `fd` is on tmpfs (false when that cannot be told).
+pub fn fd_on_tmpfs(fd: RawFd) -> bool {
     let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
-    // SAFETY: fstatfs fills the `statfs` it is given; the fd is owned by
-    // `file`, open for the call.
-    let r = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) };
+    // SAFETY: fstatfs fills the `statfs` it is given and only reads `fd`
+    // (a bad one is an error).
+    let r = unsafe { libc::fstatfs(fd, st.as_mut_ptr()) };
     // SAFETY: fstatfs succeeded, so it initialized `st`.
     r == 0 && unsafe { st.assume_init() }.f_type == libc::TMPFS_MAGIC
 }
@@ -144,76 +148,100 @@ impl Drop for FileMapping {
     }
 }
 
-/// Writes `buf` at `offset` of a tmpfs file through a shared mapping, if
-/// every page it touches is in memory; returns whether it wrote.
+/// Writes `buf` at `offset` of a tmpfs file through a shared mapping
+/// ([`store_through_mapping`]); returns whether it wrote.
+fn write_through_mapping(file: &File, buf: &[u8], offset: u64) -> bool {
+    // SAFETY: `buf` is valid for reads of its length.
+    unsafe { store_through_mapping(file.as_raw_fd(), buf.as_ptr(), buf.len(), offset) }
+}
+
+/// Copies `len` bytes from `src` to `offset` of the file `fd` through a
+/// shared mapping of the file; returns whether it wrote (false: nothing
+/// written, use `pwrite`). Meant for tmpfs files ([`fd_on_tmpfs`]).
 ///
 /// `pwrite` takes the inode lock, which an `fallocate` of the same file
 /// holds for the whole call; on tmpfs that call allocates and zeroes every
 /// page (a device's pool worker reserving 2 MiB: 0.35-0.75 ms here,
 /// hundreds of milliseconds under the nested sandbox's emulation). A store
-/// into a page that is in memory takes no such lock. A page that is not
-/// (a hole, or swapped out) is left to `pwrite`, which allocates it or
-/// fails with an error where a store would raise SIGBUS; so is a range
-/// beyond the end of the file. The pages are tmpfs's: durable as far as
-/// tmpfs is, at once.
-fn write_through_mapping(file: &File, buf: &[u8], offset: u64) -> bool {
+/// through a mapping takes no such lock. The pages are made present and
+/// writable first (`MADV_POPULATE_WRITE`), which allocates a hole's page
+/// as `pwrite` would and, where that fails (tmpfs full), reports an error
+/// instead of raising SIGBUS at the store: the write is then left to
+/// `pwrite`, which fails with the error to report. So is a range beyond the
+/// end of the file, or a kernel without `MADV_POPULATE_WRITE` (before
+/// 5.14). The pages are tmpfs's: durable as far as tmpfs is, at once.
+///
+/// # Safety
+///
+/// `src` must be valid for reads of `len` bytes, and the file must not be
+/// shrunk or punched below `offset + len` meanwhile (a store into a page
+/// removed after it was made present raises SIGBUS).
+pub unsafe fn store_through_mapping(fd: RawFd, src: *const u8, len: usize, offset: u64) -> bool {
     // SAFETY: sysconf only reads its argument.
     let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
         p if p > 0 => p as u64,
         _ => return false,
     };
-    let Some(end) = offset.checked_add(buf.len() as u64) else {
+    let Some(end) = offset.checked_add(len as u64) else {
         return false;
     };
-    if buf.is_empty() || file.metadata().map_or(true, |m| end > m.len()) {
+    if len == 0 || file_len(fd).is_none_or(|l| end > l) {
         return false;
     }
     let start = offset - offset % page;
-    let (Ok(map_off), Ok(len)) = (
+    let (Ok(map_off), Ok(map_len)) = (
         libc::off_t::try_from(start),
         usize::try_from((end - start).div_ceil(page) * page),
     ) else {
         return false;
     };
-    // SAFETY: a new mapping at an address the kernel chooses, of `len`
-    // bytes of the open file from the page-aligned `map_off`; nothing
-    // else refers to it.
+    // SAFETY: a new mapping at an address the kernel chooses, of
+    // `map_len` bytes of the file from the page-aligned `map_off`;
+    // nothing else refers to it.
     let addr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            len,
+            map_len,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
-            file.as_raw_fd(),
+            fd,
             map_off,
         )
     };
     if addr == libc::MAP_FAILED {
         return false;
     }
-    let map = FileMapping { addr, len };
-    let mut resident = vec![0u8; len / page as usize];
-    // SAFETY: `map.addr` is page-aligned and maps `len` bytes; `resident`
-    // has one byte for each of its pages.
-    if unsafe { libc::mincore(map.addr, len, resident.as_mut_ptr()) } != 0
-        || resident.iter().any(|r| r & 1 == 0)
-    {
+    let map = FileMapping { addr, len: map_len };
+    // SAFETY: `map.addr` is page-aligned and maps `map_len` bytes of this
+    // function's own mapping; populating changes no content.
+    if unsafe { libc::madvise(map.addr, map_len, libc::MADV_POPULATE_WRITE) } != 0 {
         return false;
     }
-    // SAFETY: the destination, `buf.len()` bytes from `offset - start`
-    // into the mapping, lies inside it (`end <= start + len`); each of its
-    // pages is inside the file (`end` is not past the file's length, and
-    // nothing shrinks an image below its allocated clusters, where slots
-    // live) and in memory, so the store raises no SIGBUS; the mapping is
-    // this function's alone, so nothing aliases it.
+    // SAFETY: the destination, `len` bytes from `offset - start` into the
+    // mapping, lies inside it (`end <= start + map_len`); each of its pages
+    // is inside the file (`end` is not past the file's length, which the
+    // caller keeps) and was just made present and writable, so the store
+    // raises no SIGBUS; the mapping is this function's alone, so nothing
+    // aliases it; the caller vouches for `src`.
     unsafe {
         std::ptr::copy_nonoverlapping(
-            buf.as_ptr(),
+            src,
             map.addr.cast::<u8>().add((offset - start) as usize),
-            buf.len(),
+            len,
         );
     }
     true
+}
+
+/// The length of the file `fd` (`fstat`, which takes no inode lock).
+fn file_len(fd: RawFd) -> Option<u64> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat fills the `stat` it is given and only reads `fd`.
+    if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: fstat succeeded, so it initialized `st`.
+    u64::try_from(unsafe { st.assume_init() }.st_size).ok()
 }
 
 /// Reserves `[offset, offset + len)` of `file` with `fallocate` (extending
@@ -261,4 +289,61 @@ pub fn write_zeros(file: &File, offset: u64, len: u64) -> io::Result<()> {
         done += n;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shm_file() -> Option<(tempfile::TempDir, File)> {
+        let dir = tempfile::tempdir_in("/dev/shm").ok()?;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("f"))
+            .ok()?;
+        fd_on_tmpfs(f.as_raw_fd()).then_some((dir, f))
+    }
+
+    /// Into a hole, across a page boundary, into reserved pages: the bytes
+    /// land where `pwrite` would put them; past the end nothing is written.
+    #[test]
+    fn a_store_through_a_mapping_writes_what_pwrite_would_and_nothing_past_the_end() {
+        let Some((_dir, f)) = shm_file() else {
+            eprintln!("skipped: /dev/shm is not tmpfs here");
+            return;
+        };
+        f.set_len(64 << 10).unwrap();
+        allocate_file(&f, 64 << 10, 64 << 10).unwrap();
+        let fd = f.as_raw_fd();
+        let data: Vec<u8> = (0..6000u32).map(|i| i as u8).collect();
+        for at in [100, 4000, (64 << 10) + 10] {
+            // SAFETY: `data` is valid for reads of its length.
+            assert!(unsafe { store_through_mapping(fd, data.as_ptr(), data.len(), at) });
+            let mut back = vec![0; data.len()];
+            f.read_exact_at(&mut back, at).unwrap();
+            assert_eq!(back, data, "at {at}");
+        }
+        let len = f.metadata().unwrap().len();
+        // SAFETY: as above.
+        assert!(!unsafe { store_through_mapping(fd, data.as_ptr(), data.len(), len - 10) });
+        // SAFETY: as above.
+        assert!(!unsafe { store_through_mapping(fd, data.as_ptr(), 10, u64::MAX - 5) });
+        assert_eq!(f.metadata().unwrap().len(), len, "the file grew");
+        let mut tail = [0u8; 10];
+        f.read_exact_at(&mut tail, len - 10).unwrap();
+        assert_eq!(tail, [0; 10]);
+    }
+
+    #[test]
+    fn a_disk_file_is_not_tmpfs_and_dev_shm_is() {
+        let f = tempfile::tempfile_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        assert!(!fd_on_tmpfs(f.as_raw_fd()));
+        assert!(!fd_on_tmpfs(-1));
+        if let Some((_dir, f)) = shm_file() {
+            assert!(fd_on_tmpfs(f.as_raw_fd()));
+        }
+    }
 }

@@ -402,7 +402,7 @@ fn staging_writes_nothing_and_the_commit_writes_the_slots() {
 /// On tmpfs a commit does not wait for an `fallocate` of the same file in
 /// flight (a device's pool worker reserving clusters): `fallocate` holds
 /// the inode lock for the whole call, and `pwrite` waits for it, so the
-/// commit stores its slots and header into their pages in memory instead.
+/// commit stores its slots and header through a mapping instead.
 #[test]
 fn on_tmpfs_a_commit_does_not_wait_for_an_fallocate_in_flight() {
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -26,7 +26,8 @@
 //! 4. writers released, the state lock dropped: once the pages are copied
 //!    and their tracking re-armed, a write belongs to the next barrier;
 //! 5. the commit: the metadata slots, the syncs and the header (no lock
-//!    held: a `pwrite` waits for the pool worker's `fallocate` in flight);
+//!    held: a `pwrite` waits for the pool worker's `fallocate` in flight;
+//!    on tmpfs the commit stores through a mapping and does not);
 //! 6. the state lock again to publish the commit (or, on failure, to keep
 //!    the harvest for the next barrier).
 //!
@@ -52,6 +53,7 @@ use crate::clusters::{index_runs, push_run, ClusterState, FileRun};
 use crate::harvest::{merge_harvest, Harvest, Tracking};
 use crate::mapping::{MapsError, PAGE_SIZE};
 use crate::pagemap::PagemapError;
+use crate::pool::Quiet;
 use crate::quiesce::{hold, Quiesce, QuiesceError};
 use crate::state::{top_fd, NoImage, RegionState, Shared, Writable};
 use crate::view::View;
@@ -162,6 +164,13 @@ pub struct BarrierStats {
     pub held: Duration,
 }
 
+/// Where a barrier's copy writes: the top file on tmpfs or not, and the
+/// pool worker kept from starting pieces meanwhile.
+struct CopyTo<'a> {
+    tmpfs: bool,
+    quiet: &'a Quiet,
+}
+
 /// The parts of the state a barrier works on.
 struct Parts<'a> {
     view: &'a mut View,
@@ -228,7 +237,14 @@ pub(crate) struct Moved {
 ///
 /// On failure the harvest is kept ([`Tracking::unsaved`]) for the next
 /// barrier.
-fn move_held(st: &mut RegionState, stats: &mut BarrierStats) -> Result<Moved, BarrierError> {
+///
+/// `quiet` keeps the pool worker from starting a piece; a copy that has to
+/// `pwrite` waits for the piece in flight first ([`Parts::copy_out`]).
+fn move_held(
+    st: &mut RegionState,
+    stats: &mut BarrierStats,
+    quiet: &Quiet,
+) -> Result<Moved, BarrierError> {
     let t = Instant::now();
     let mut p = parts(st)?;
     let found = p.tracking.harvest(p.view, p.image)?;
@@ -238,7 +254,7 @@ fn move_held(st: &mut RegionState, stats: &mut BarrierStats) -> Result<Moved, Ba
     stats.write_log = found.logged;
     let harvest = found.harvest;
     stats.scan = t.elapsed();
-    match p.move_pages(&harvest, stats) {
+    match p.move_pages(&harvest, stats, quiet) {
         Ok(()) => {
             // Only a saving: a barrier does not fail for it.
             if let Err(e) = p.rehole_zero_clusters(stats) {
@@ -394,9 +410,20 @@ pub(crate) fn barrier(
         // wait for its `fallocate` (the inode lock), and the writers with
         // them. It refills again during the syncs, for the faults served
         // meanwhile.
+        //
+        // On tmpfs the copy stores through a mapping of the file, which
+        // takes no inode lock: it waits for the piece only if it has to
+        // `pwrite` after all (see `copy_out`).
         let quiet = st.pool.quiet();
+        let tmpfs = st
+            .image_mut()
+            .ok()
+            .and_then(|i| top_fd(i).ok())
+            .is_some_and(pcow::io::fd_on_tmpfs);
         drop(st);
-        quiet.settle();
+        if !tmpfs {
+            quiet.settle();
+        }
         // Hold first, lock second: the monitor must be able to serve a
         // writer's fault while the hold waits for that writer.
         let held = hold(quiesce)?;
@@ -404,7 +431,7 @@ pub(crate) fn barrier(
         st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
         stats.wait = t0.elapsed();
         prepare(&mut st)?;
-        let staged = move_held(&mut st, &mut stats).and_then(|moved| {
+        let staged = move_held(&mut st, &mut stats, &quiet).and_then(|moved| {
             let ts = Instant::now();
             let r = stage(&mut st, moved);
             stats.stage = ts.elapsed();
@@ -446,9 +473,9 @@ pub(crate) fn barrier(
 /// (snapshots and overlays, which change the image right after it).
 pub(crate) fn barrier_locked(st: &mut RegionState) -> Result<BarrierStats, BarrierError> {
     prepare(st)?;
-    let _quiet = st.pool.quiet();
+    let quiet = st.pool.quiet();
     let mut stats = BarrierStats::default();
-    let moved = move_held(st, &mut stats)?;
+    let moved = move_held(st, &mut stats, &quiet)?;
     commit_locked(st, moved, &mut stats)?;
     Ok(stats)
 }
@@ -527,10 +554,15 @@ impl Parts<'_> {
         &mut self,
         harvest: &Harvest,
         stats: &mut BarrierStats,
+        quiet: &Quiet,
     ) -> Result<(), BarrierError> {
         let cs = self.view.cs;
         let npages = (cs / PAGE_SIZE) as usize;
         let t = Instant::now();
+        let to = CopyTo {
+            tmpfs: top_fd(self.image).is_ok_and(pcow::io::fd_on_tmpfs),
+            quiet,
+        };
         for (vcn, pages) in harvest {
             let (vcn, pages) = (*vcn, pages.as_slice());
             let state = self.view.clusters.get(vcn);
@@ -557,14 +589,21 @@ impl Parts<'_> {
             if ac.whole {
                 // Nothing below (a former hole): the cluster is the
                 // writable layer's whole, as the region shows it.
-                self.copy_out(vcn, fd, ac.file_offset, 0, cs)?;
+                self.copy_out(vcn, fd, ac.file_offset, 0, cs, &to)?;
                 self.image.record_pages(vcn, 0, npages)?;
                 stats.pages_copied += npages as u64;
                 self.remap_shared(vcn, fd, ac.file_offset, stats)?;
             } else {
                 for (first, end) in index_runs(pages.iter().map(|&p| u64::from(p))) {
                     let n = end - first;
-                    self.copy_out(vcn, fd, ac.file_offset, first * PAGE_SIZE, n * PAGE_SIZE)?;
+                    self.copy_out(
+                        vcn,
+                        fd,
+                        ac.file_offset,
+                        first * PAGE_SIZE,
+                        n * PAGE_SIZE,
+                        &to,
+                    )?;
                     self.image.record_pages(vcn, first as usize, n as usize)?;
                 }
                 stats.pages_copied += pages.len() as u64;
@@ -619,7 +658,12 @@ impl Parts<'_> {
     }
 
     /// Writes `len` bytes at byte `from` of cluster `vcn` as the region
-    /// shows them into the top file's cluster at `file_offset`.
+    /// shows them into the top file's cluster at `file_offset`: on tmpfs
+    /// stored through a mapping of the file
+    /// ([`pcow::io::store_through_mapping`]), else (or where that declines)
+    /// with `pwrite`, once the pool worker's piece in flight has ended
+    /// (its `fallocate` holds the inode lock that `pwrite` waits for, with
+    /// the writers held).
     fn copy_out(
         &self,
         vcn: u64,
@@ -627,6 +671,7 @@ impl Parts<'_> {
         file_offset: u64,
         from: u64,
         len: u64,
+        to: &CopyTo<'_>,
     ) -> Result<(), BarrierError> {
         let cs = self.view.cs;
         let err = |source| BarrierError::Copy {
@@ -638,6 +683,18 @@ impl Parts<'_> {
             return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
         }
         let p = self.view.mapping.ptr(vcn * cs + from, len).map_err(err)?;
+        if to.tmpfs {
+            // `p .. p + len` is region memory that reading never faults
+            // into the monitor (see below); the destination is a cluster
+            // of the open image, which is never shrunk below its
+            // allocated clusters nor has holes punched.
+            // SAFETY: so `p` is valid for reads of `len` bytes and the
+            // destination stays in the file.
+            if unsafe { pcow::io::store_through_mapping(fd, p, len as usize, file_offset + from) } {
+                return Ok(());
+            }
+        }
+        to.quiet.settle();
         let mut done = 0u64;
         while done < len {
             let off = libc::off_t::try_from(file_offset + from + done)

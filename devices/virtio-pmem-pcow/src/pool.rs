@@ -265,7 +265,8 @@ impl Quiet {
     /// Waits for the worker's piece in flight, if any: after it, a
     /// `pwrite` to the image does not wait for the worker (it starts no
     /// new piece while this lives). A barrier settles before it holds the
-    /// writers, so that they do not wait for the piece too.
+    /// writers, so that they do not wait for the piece too; on tmpfs, where
+    /// its copy stores through a mapping, only before a `pwrite`.
     pub(crate) fn settle(&self) {
         if let Some(c) = &self.0 {
             if !c.settle(SETTLE_WAIT) {

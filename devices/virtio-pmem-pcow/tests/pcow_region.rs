@@ -790,3 +790,83 @@ fn a_preallocated_image_is_mapped_shared_and_writes_take_no_fault() {
     same(&reopen_read(&path), &model, "reopened");
     check_clean(&path);
 }
+
+/// On tmpfs a barrier neither copies nor commits with `pwrite` where the
+/// file's pages are in memory: an `fallocate` of the image file in flight
+/// (the pool worker's reserving: it holds the inode lock, which `pwrite`
+/// waits for, for the whole call) does not hold up the barrier, or the
+/// writers it holds.
+#[test]
+fn on_tmpfs_a_barrier_does_not_wait_for_an_fallocate_in_flight() {
+    let test = "on_tmpfs_a_barrier_does_not_wait_for_an_fallocate_in_flight";
+    if !uffd_or_skip(test) {
+        return;
+    }
+    let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+        eprintln!("SKIPPED {test}: no /dev/shm");
+        return;
+    };
+    let path = dir.path().join("img.pcow");
+    let mut img = create(&path, 256 * K64, K64, None);
+    for c in 0..16 {
+        img.write_at(&[1; 4096], c * K64).unwrap();
+    }
+    img.snapshot_create("s").unwrap();
+    img.close().unwrap();
+    let rig = Rig::open(&path, &RegionOptions::default()).unwrap();
+    // The pool's clusters reserved (in memory) before the test starts.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let p = rig.region.status().unwrap().pool;
+        if p.free_clusters >= 32 && !p.in_flight {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the pool did not fill: {p:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Copy-on-write over the snapshot (pages the barrier copies into pool
+    // clusters), and first writes into holes.
+    for c in 0..16 {
+        rig.write(c * K64 + 100, &[7]);
+    }
+    for c in 100..104 {
+        rig.write(c * K64, &[8]);
+    }
+
+    // 1 GiB beyond the file's end: about 0.2 s of zeroed pages here.
+    let other = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let end = other.metadata().unwrap().len();
+    let done = Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    let reserver = std::thread::spawn(move || {
+        let r = pcow::io::allocate_file(&other, end, 1 << 30);
+        d.store(true, Ordering::SeqCst);
+        r
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "the fallocate ended within 20 ms: too fast for this test"
+    );
+    let t = Instant::now();
+    let stats = rig.region.barrier().unwrap();
+    let took = t.elapsed();
+    let waited = done.load(Ordering::SeqCst);
+    reserver.join().unwrap().unwrap();
+    assert!(
+        !waited,
+        "the barrier waited for the fallocate in flight ({took:?}, {stats:?})"
+    );
+    assert_eq!(stats.clusters_copied, 16, "{stats:?}");
+
+    rig.close();
+    let v = reopen_read(&path);
+    for c in 0..16u64 {
+        let at = (c * K64) as usize;
+        assert_eq!(v[at + 100], 7, "cluster {c}");
+        assert_eq!(v[at + 101], 1, "cluster {c}");
+    }
+    for c in 100..104u64 {
+        assert_eq!(v[(c * K64) as usize], 8, "cluster {c}");
+    }
+}
