@@ -658,12 +658,12 @@ impl Parts<'_> {
     }
 
     /// Writes `len` bytes at byte `from` of cluster `vcn` as the region
-    /// shows them into the top file's cluster at `file_offset`: on tmpfs
-    /// stored through a mapping of the file
-    /// ([`pcow::io::store_through_mapping`]), else (or where that declines)
-    /// with `pwrite`, once the pool worker's piece in flight has ended
-    /// (its `fallocate` holds the inode lock that `pwrite` waits for, with
-    /// the writers held).
+    /// shows them into the top file's cluster at `file_offset`: with
+    /// `pwrite`, once the pool worker's piece in flight has ended (its
+    /// `fallocate` holds the inode lock that `pwrite` waits for, with the
+    /// writers held); on tmpfs, while the piece is in flight, stored
+    /// through a mapping of the file instead
+    /// ([`pcow::io::store_through_mapping`]).
     fn copy_out(
         &self,
         vcn: u64,
@@ -683,7 +683,10 @@ impl Parts<'_> {
             return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
         }
         let p = self.view.mapping.ptr(vcn * cs + from, len).map_err(err)?;
-        if to.tmpfs {
+        // A store through a mapping costs 2-3 times a `pwrite` of a page
+        // (the mapping made and torn down): worth it only while `pwrite`
+        // would wait.
+        if to.tmpfs && to.quiet.piece_in_flight() {
             // `p .. p + len` is region memory that reading never faults
             // into the monitor (see below); the destination is a cluster
             // of the open image, which is never shrunk below its

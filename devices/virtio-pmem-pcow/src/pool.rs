@@ -262,6 +262,16 @@ impl Chan {
 pub(crate) struct Quiet(Option<Arc<Chan>>);
 
 impl Quiet {
+    /// Whether the worker is in a piece now (its `fallocate` holds the
+    /// inode lock). While this lives no new piece starts, so once false it
+    /// stays false.
+    pub(crate) fn piece_in_flight(&self) -> bool {
+        self.0.as_ref().is_some_and(|c| {
+            let s = c.lock();
+            s.reserving && !s.stop
+        })
+    }
+
     /// Waits for the worker's piece in flight, if any: after it, a
     /// `pwrite` to the image does not wait for the worker (it starts no
     /// new piece while this lives). A barrier settles before it holds the
