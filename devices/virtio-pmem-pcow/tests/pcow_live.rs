@@ -814,3 +814,49 @@ fn write_into_each_cluster(
     }
     model
 }
+
+/// On a full tmpfs a store through a mapping into a page that needs
+/// allocating declines (the populate fails; no SIGBUS at the store), so
+/// the barrier's and the commit's writes fall back to `pwrite`, which
+/// reports ENOSPC; pages already allocated still take the store.
+#[test]
+fn on_a_full_tmpfs_a_store_through_a_mapping_declines_instead_of_raising_sigbus() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    let test = "on_a_full_tmpfs_a_store_through_a_mapping_declines_instead_of_raising_sigbus";
+    let fs = match SmallFs::mount("1M") {
+        Ok(fs) => fs,
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            return;
+        }
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(fs.path().join("f"))
+        .unwrap();
+    f.set_len(4 << 20).unwrap();
+    // Fill the file system: the first 1 MiB of the file is allocated.
+    pcow::io::allocate_file(&f, 0, 1 << 20).unwrap();
+    let r = pcow::io::allocate_file(&f, 1 << 20, 4096);
+    assert!(r.is_err(), "more than 1 MiB fit into a 1 MiB tmpfs");
+    f.write_all_at(&[1; 4096], 0).unwrap();
+    let data = [9u8; 4096];
+    let fd = f.as_raw_fd();
+    // SAFETY: `data` is valid for reads of its length; nothing shrinks
+    // the file.
+    let stored = unsafe { pcow::io::store_through_mapping(fd, data.as_ptr(), 4096, 3 << 20) };
+    assert!(!stored, "a store into a page tmpfs has no room for");
+    let e = f.write_all_at(&data, 3 << 20).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    // SAFETY: as above.
+    assert!(unsafe { pcow::io::store_through_mapping(fd, data.as_ptr(), 4096, 0) });
+    let mut back = [0u8; 4096];
+    f.read_exact_at(&mut back, 0).unwrap();
+    assert_eq!(back, data);
+    drop(f);
+    drop(fs);
+}
