@@ -153,6 +153,7 @@ impl Image {
             slots,
             sync_first,
             header: header_write,
+            beside_fallocate: false,
         };
         self.commit.pending = Some(pending);
         Ok(Some(commit))

@@ -113,6 +113,9 @@ pub struct Commit {
     /// Sync data and slots before the header (or alone, for a data sync).
     pub(crate) sync_first: bool,
     pub(crate) header: Option<SlotWrite>,
+    /// Write the slots and the header with
+    /// [`CommitIo::write_beside_fallocate`] ([`Commit::beside_fallocate`]).
+    pub(crate) beside_fallocate: bool,
 }
 
 impl std::fmt::Debug for Commit {
@@ -126,6 +129,16 @@ impl std::fmt::Debug for Commit {
 }
 
 impl Commit {
+    /// Has [`Commit::write`] write its slots and header without waiting for
+    /// an `fallocate` of the image file in flight, where the storage can (on
+    /// tmpfs, through a mapping of the file, at several times the cost of a
+    /// `pwrite`): for a caller that knows one is in flight (a device's pool
+    /// worker reserving clusters holds the file's inode lock, which every
+    /// `pwrite` waits for, for the whole call).
+    pub fn beside_fallocate(&mut self) {
+        self.beside_fallocate = true;
+    }
+
     /// Makes the commit durable: writes the slots staged at begin, syncs
     /// them and the data, writes the header slot, syncs again. Needs no lock on the
     /// image. After an error the commit can only be aborted (a failed sync
@@ -161,10 +174,17 @@ impl Commit {
 
     fn write_inner(&mut self) -> Result<()> {
         let path = &self.path;
+        let beside = self.beside_fallocate;
+        let write = |io: &mut Box<dyn CommitIo>, w: &SlotWrite| {
+            if beside {
+                io.write_beside_fallocate(&w.bytes, w.at)
+            } else {
+                io.write_at(&w.bytes, w.at)
+            }
+            .map_err(io_err(path, w.what))
+        };
         for w in &self.slots {
-            self.io
-                .write_at(&w.bytes, w.at)
-                .map_err(io_err(path, w.what))?;
+            write(&mut self.io, w)?;
         }
         // One sync covers the data and the new slots: until the header
         // names the new generation the slots are stale and readers ignore
@@ -179,9 +199,7 @@ impl Commit {
             self.io.sync().map_err(io_err(path, op))?;
         }
         if let Some(h) = &self.header {
-            self.io
-                .write_at(&h.bytes, h.at)
-                .map_err(io_err(path, h.what))?;
+            write(&mut self.io, h)?;
             self.io.sync().map_err(io_err(path, "syncing the header"))?;
         }
         Ok(())

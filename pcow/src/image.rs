@@ -528,6 +528,10 @@ impl Image {
     pub fn file(&self) -> Option<&File> {
         self.storage.file()
     }
+    /// The storage is a file on tmpfs (looked at when it was opened).
+    pub fn on_tmpfs(&self) -> bool {
+        self.storage.on_tmpfs()
+    }
     /// Committed end of the file in clusters, as staged.
     pub fn cluster_count(&self) -> u64 {
         self.alloc.next_cluster

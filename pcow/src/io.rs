@@ -33,6 +33,10 @@ pub trait Storage: Send {
     fn file(&self) -> Option<&File> {
         None
     }
+    /// The storage is a file on tmpfs (see [`store_through_mapping`]).
+    fn on_tmpfs(&self) -> bool {
+        false
+    }
     /// A handle on the same bytes for the I/O of a staged commit (the syncs
     /// and the header write of [`crate::Commit::write`]), used while the
     /// image itself is in other hands. Its writes and syncs are this
@@ -45,6 +49,13 @@ pub trait Storage: Send {
 pub trait CommitIo: Send {
     /// Writes all of `buf` at `offset`.
     fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()>;
+    /// Writes all of `buf` at `offset` without waiting for an `fallocate`
+    /// of the file in flight where the storage can (a file on tmpfs,
+    /// through a mapping: [`store_through_mapping`]), else as
+    /// [`CommitIo::write_at`].
+    fn write_beside_fallocate(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.write_at(buf, offset)
+    }
     /// Makes every completed write to the storage durable (fdatasync).
     fn sync(&mut self) -> io::Result<()>;
 }
@@ -53,7 +64,7 @@ pub trait CommitIo: Send {
 #[derive(Debug)]
 pub struct FileStorage {
     file: File,
-    /// The file is on tmpfs: its commits store through a mapping
+    /// The file is on tmpfs: a commit can store through a mapping
     /// ([`store_through_mapping`]).
     tmpfs: bool,
 }
@@ -88,6 +99,9 @@ impl Storage for FileStorage {
     fn file(&self) -> Option<&File> {
         Some(&self.file)
     }
+    fn on_tmpfs(&self) -> bool {
+        self.tmpfs
+    }
     /// A duplicate of the file descriptor: same open file, same page cache
     /// (and the same lock, held until the handle is dropped too).
     fn commit_io(&self) -> io::Result<Box<dyn CommitIo>> {
@@ -106,10 +120,10 @@ struct FileCommitIo {
 }
 
 impl CommitIo for FileCommitIo {
-    /// On tmpfs, through a mapping ([`store_through_mapping`]): a
-    /// device's guest waits for its FLUSH while the commit writes, and a
-    /// `pwrite` would wait for the pool worker's `fallocate` in flight.
     fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, offset)
+    }
+    fn write_beside_fallocate(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
         if self.tmpfs && write_through_mapping(&self.file, buf, offset) {
             return Ok(());
         }
@@ -125,7 +139,7 @@ fn on_tmpfs(file: &File) -> bool {
 }
 
 /// Whether the open file `fd` is on tmpfs (false when that cannot be told).
-pub fn fd_on_tmpfs(fd: RawFd) -> bool {
+fn fd_on_tmpfs(fd: RawFd) -> bool {
     let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
     // SAFETY: fstatfs fills the `statfs` it is given and only reads `fd`
     // (a bad one is an error).
@@ -157,7 +171,10 @@ fn write_through_mapping(file: &File, buf: &[u8], offset: u64) -> bool {
 
 /// Copies `len` bytes from `src` to `offset` of the file `fd` through a
 /// shared mapping of the file; returns whether it wrote (false: nothing
-/// written, use `pwrite`). Meant for tmpfs files ([`fd_on_tmpfs`]).
+/// written, use `pwrite`). Meant for tmpfs files ([`fd_on_tmpfs`]), while
+/// an `fallocate` of the file is in flight: making and tearing down the
+/// mapping costs 4-6 times a `pwrite` of a page (27 against 6 us here,
+/// 230 against 40 us under the nested sandbox's emulation).
 ///
 /// `pwrite` takes the inode lock, which an `fallocate` of the same file
 /// holds for the whole call; on tmpfs that call allocates and zeroes every

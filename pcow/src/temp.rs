@@ -71,6 +71,9 @@ impl Storage for VolatileStorage {
     fn file(&self) -> Option<&File> {
         self.0.file()
     }
+    fn on_tmpfs(&self) -> bool {
+        self.0.on_tmpfs()
+    }
     fn commit_io(&self) -> io::Result<Box<dyn CommitIo>> {
         Ok(Box::new(VolatileCommitIo(self.0.commit_io()?)))
     }
@@ -82,6 +85,9 @@ struct VolatileCommitIo(Box<dyn CommitIo>);
 impl CommitIo for VolatileCommitIo {
     fn write_at(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
         self.0.write_at(buf, offset)
+    }
+    fn write_beside_fallocate(&mut self, buf: &[u8], offset: u64) -> io::Result<()> {
+        self.0.write_beside_fallocate(buf, offset)
     }
     fn sync(&mut self) -> io::Result<()> {
         Ok(())

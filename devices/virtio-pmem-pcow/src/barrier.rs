@@ -27,7 +27,8 @@
 //!    and their tracking re-armed, a write belongs to the next barrier;
 //! 5. the commit: the metadata slots, the syncs and the header (no lock
 //!    held: a `pwrite` waits for the pool worker's `fallocate` in flight;
-//!    on tmpfs the commit stores through a mapping and does not);
+//!    on tmpfs the worker is kept quiet meanwhile, and a piece in flight
+//!    has the commit store through a mapping instead);
 //! 6. the state lock again to publish the commit (or, on failure, to keep
 //!    the harvest for the next barrier).
 //!
@@ -210,6 +211,11 @@ fn prepare(st: &mut RegionState) -> Result<(), BarrierError> {
     }
 }
 
+/// Whether the writable layer's file is on tmpfs.
+fn top_on_tmpfs(st: &mut RegionState) -> bool {
+    st.image_mut().is_ok_and(|i| i.on_tmpfs())
+}
+
 /// Asks the pool worker for a refill if the pool is low.
 fn request_refill(st: &mut RegionState) {
     if let Some((image, pool)) = st.image_and_pool() {
@@ -382,6 +388,7 @@ pub(crate) fn barrier(
     let mut stats = BarrierStats::default();
     let mut st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
     prepare(&mut st)?;
+    let tmpfs = top_on_tmpfs(&mut st);
     let unheld = {
         let s = &mut *st;
         s.tracking.nothing_to_move(&s.view)
@@ -415,11 +422,6 @@ pub(crate) fn barrier(
         // takes no inode lock: it waits for the piece only if it has to
         // `pwrite` after all (see `copy_out`).
         let quiet = st.pool.quiet();
-        let tmpfs = st
-            .image_mut()
-            .ok()
-            .and_then(|i| top_fd(i).ok())
-            .is_some_and(pcow::io::fd_on_tmpfs);
         drop(st);
         if !tmpfs {
             quiet.settle();
@@ -452,10 +454,19 @@ pub(crate) fn barrier(
             Ok(())
         }
         Ok(Some(mut staged)) => {
+            // On tmpfs the worker starts no piece during the commit (its
+            // syncs cost nothing there), and a piece in flight has the
+            // commit store its slots and header through a mapping rather
+            // than wait for the inode lock with a `pwrite`.
+            let quiet = tmpfs.then(|| st.pool.quiet());
             drop(st);
+            if quiet.as_ref().is_some_and(Quiet::piece_in_flight) {
+                staged.commit.beside_fallocate();
+            }
             let tc = Instant::now();
             let written = staged.commit.write();
             stats.commit = tc.elapsed();
+            drop(quiet);
             tp = Instant::now();
             st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
             finish(&mut st, staged, written)
@@ -560,7 +571,7 @@ impl Parts<'_> {
         let npages = (cs / PAGE_SIZE) as usize;
         let t = Instant::now();
         let to = CopyTo {
-            tmpfs: top_fd(self.image).is_ok_and(pcow::io::fd_on_tmpfs),
+            tmpfs: self.image.on_tmpfs(),
             quiet,
         };
         for (vcn, pages) in harvest {
