@@ -694,9 +694,9 @@ impl Parts<'_> {
             return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
         }
         let p = self.view.mapping.ptr(vcn * cs + from, len).map_err(err)?;
-        // A store through a mapping costs 2-3 times a `pwrite` of a page
-        // (the mapping made and torn down): worth it only while `pwrite`
-        // would wait.
+        // A store through a mapping costs 4-6 times a `pwrite` of a page
+        // (the mapping made and torn down; `pcow/examples/beside_fallocate`):
+        // worth it only while `pwrite` would wait.
         if to.tmpfs && to.quiet.piece_in_flight() {
             // `p .. p + len` is region memory that reading never faults
             // into the monitor (see below); the destination is a cluster
