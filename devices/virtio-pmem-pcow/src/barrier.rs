@@ -27,8 +27,9 @@
 //!    and their tracking re-armed, a write belongs to the next barrier;
 //! 5. the commit: the metadata slots, the syncs and the header (no lock
 //!    held: a `pwrite` waits for the pool worker's `fallocate` in flight;
-//!    on tmpfs the worker is kept quiet meanwhile, and a piece in flight
-//!    has the commit store through a mapping instead);
+//!    on tmpfs, where the worker reserves in long pieces, it starts none
+//!    meanwhile, and one in flight has the commit write beside it through
+//!    a mapping: [`pcow::Commit::beside_fallocate`]);
 //! 6. the state lock again to publish the commit (or, on failure, to keep
 //!    the harvest for the next barrier).
 //!
@@ -165,13 +166,6 @@ pub struct BarrierStats {
     pub held: Duration,
 }
 
-/// Where a barrier's copy writes: the top file on tmpfs or not, and the
-/// pool worker kept from starting pieces meanwhile.
-struct CopyTo<'a> {
-    tmpfs: bool,
-    quiet: &'a Quiet,
-}
-
 /// The parts of the state a barrier works on.
 struct Parts<'a> {
     view: &'a mut View,
@@ -211,9 +205,11 @@ fn prepare(st: &mut RegionState) -> Result<(), BarrierError> {
     }
 }
 
-/// Whether the writable layer's file is on tmpfs.
-fn top_on_tmpfs(st: &mut RegionState) -> bool {
-    st.image_mut().is_ok_and(|i| i.on_tmpfs())
+/// Whether a commit writes beside the pool worker's piece in flight rather
+/// than wait for it: the image is on tmpfs (where a store through a
+/// mapping needs nothing from the file system) and the pieces are long.
+fn commit_beside_pieces(st: &mut RegionState) -> bool {
+    st.pool.long_pieces() && st.image_mut().is_ok_and(|i| i.on_tmpfs())
 }
 
 /// Asks the pool worker for a refill if the pool is low.
@@ -243,14 +239,7 @@ pub(crate) struct Moved {
 ///
 /// On failure the harvest is kept ([`Tracking::unsaved`]) for the next
 /// barrier.
-///
-/// `quiet` keeps the pool worker from starting a piece; a copy that has to
-/// `pwrite` waits for the piece in flight first ([`Parts::copy_out`]).
-fn move_held(
-    st: &mut RegionState,
-    stats: &mut BarrierStats,
-    quiet: &Quiet,
-) -> Result<Moved, BarrierError> {
+fn move_held(st: &mut RegionState, stats: &mut BarrierStats) -> Result<Moved, BarrierError> {
     let t = Instant::now();
     let mut p = parts(st)?;
     let found = p.tracking.harvest(p.view, p.image)?;
@@ -260,7 +249,7 @@ fn move_held(
     stats.write_log = found.logged;
     let harvest = found.harvest;
     stats.scan = t.elapsed();
-    match p.move_pages(&harvest, stats, quiet) {
+    match p.move_pages(&harvest, stats) {
         Ok(()) => {
             // Only a saving: a barrier does not fail for it.
             if let Err(e) = p.rehole_zero_clusters(stats) {
@@ -388,7 +377,7 @@ pub(crate) fn barrier(
     let mut stats = BarrierStats::default();
     let mut st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
     prepare(&mut st)?;
-    let tmpfs = top_on_tmpfs(&mut st);
+    let beside = commit_beside_pieces(&mut st);
     let unheld = {
         let s = &mut *st;
         s.tracking.nothing_to_move(&s.view)
@@ -417,15 +406,9 @@ pub(crate) fn barrier(
         // wait for its `fallocate` (the inode lock), and the writers with
         // them. It refills again during the syncs, for the faults served
         // meanwhile.
-        //
-        // On tmpfs the copy stores through a mapping of the file, which
-        // takes no inode lock: it waits for the piece only if it has to
-        // `pwrite` after all (see `copy_out`).
         let quiet = st.pool.quiet();
         drop(st);
-        if !tmpfs {
-            quiet.settle();
-        }
+        quiet.settle();
         // Hold first, lock second: the monitor must be able to serve a
         // writer's fault while the hold waits for that writer.
         let held = hold(quiesce)?;
@@ -433,7 +416,7 @@ pub(crate) fn barrier(
         st = shared.lock().map_err(|_| BarrierError::Poisoned)?;
         stats.wait = t0.elapsed();
         prepare(&mut st)?;
-        let staged = move_held(&mut st, &mut stats, &quiet).and_then(|moved| {
+        let staged = move_held(&mut st, &mut stats).and_then(|moved| {
             let ts = Instant::now();
             let r = stage(&mut st, moved);
             stats.stage = ts.elapsed();
@@ -454,11 +437,10 @@ pub(crate) fn barrier(
             Ok(())
         }
         Ok(Some(mut staged)) => {
-            // On tmpfs the worker starts no piece during the commit (its
-            // syncs cost nothing there), and a piece in flight has the
-            // commit store its slots and header through a mapping rather
-            // than wait for the inode lock with a `pwrite`.
-            let quiet = tmpfs.then(|| st.pool.quiet());
+            // No piece starts during the commit (its syncs cost nothing on
+            // tmpfs), and a piece in flight has it write beside rather than
+            // wait for the inode lock.
+            let quiet = beside.then(|| st.pool.quiet());
             drop(st);
             if quiet.as_ref().is_some_and(Quiet::piece_in_flight) {
                 staged.commit.beside_fallocate();
@@ -484,9 +466,9 @@ pub(crate) fn barrier(
 /// (snapshots and overlays, which change the image right after it).
 pub(crate) fn barrier_locked(st: &mut RegionState) -> Result<BarrierStats, BarrierError> {
     prepare(st)?;
-    let quiet = st.pool.quiet();
+    let _quiet = st.pool.quiet();
     let mut stats = BarrierStats::default();
-    let moved = move_held(st, &mut stats, &quiet)?;
+    let moved = move_held(st, &mut stats)?;
     commit_locked(st, moved, &mut stats)?;
     Ok(stats)
 }
@@ -565,15 +547,10 @@ impl Parts<'_> {
         &mut self,
         harvest: &Harvest,
         stats: &mut BarrierStats,
-        quiet: &Quiet,
     ) -> Result<(), BarrierError> {
         let cs = self.view.cs;
         let npages = (cs / PAGE_SIZE) as usize;
         let t = Instant::now();
-        let to = CopyTo {
-            tmpfs: self.image.on_tmpfs(),
-            quiet,
-        };
         for (vcn, pages) in harvest {
             let (vcn, pages) = (*vcn, pages.as_slice());
             let state = self.view.clusters.get(vcn);
@@ -600,21 +577,14 @@ impl Parts<'_> {
             if ac.whole {
                 // Nothing below (a former hole): the cluster is the
                 // writable layer's whole, as the region shows it.
-                self.copy_out(vcn, fd, ac.file_offset, 0, cs, &to)?;
+                self.copy_out(vcn, fd, ac.file_offset, 0, cs)?;
                 self.image.record_pages(vcn, 0, npages)?;
                 stats.pages_copied += npages as u64;
                 self.remap_shared(vcn, fd, ac.file_offset, stats)?;
             } else {
                 for (first, end) in index_runs(pages.iter().map(|&p| u64::from(p))) {
                     let n = end - first;
-                    self.copy_out(
-                        vcn,
-                        fd,
-                        ac.file_offset,
-                        first * PAGE_SIZE,
-                        n * PAGE_SIZE,
-                        &to,
-                    )?;
+                    self.copy_out(vcn, fd, ac.file_offset, first * PAGE_SIZE, n * PAGE_SIZE)?;
                     self.image.record_pages(vcn, first as usize, n as usize)?;
                 }
                 stats.pages_copied += pages.len() as u64;
@@ -669,12 +639,7 @@ impl Parts<'_> {
     }
 
     /// Writes `len` bytes at byte `from` of cluster `vcn` as the region
-    /// shows them into the top file's cluster at `file_offset`: with
-    /// `pwrite`, once the pool worker's piece in flight has ended (its
-    /// `fallocate` holds the inode lock that `pwrite` waits for, with the
-    /// writers held); on tmpfs, while the piece is in flight, stored
-    /// through a mapping of the file instead
-    /// ([`pcow::io::store_through_mapping`]).
+    /// shows them into the top file's cluster at `file_offset`.
     fn copy_out(
         &self,
         vcn: u64,
@@ -682,7 +647,6 @@ impl Parts<'_> {
         file_offset: u64,
         from: u64,
         len: u64,
-        to: &CopyTo<'_>,
     ) -> Result<(), BarrierError> {
         let cs = self.view.cs;
         let err = |source| BarrierError::Copy {
@@ -694,21 +658,6 @@ impl Parts<'_> {
             return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
         }
         let p = self.view.mapping.ptr(vcn * cs + from, len).map_err(err)?;
-        // A store through a mapping costs 4-6 times a `pwrite` of a page
-        // (the mapping made and torn down; `pcow/examples/beside_fallocate`):
-        // worth it only while `pwrite` would wait.
-        if to.tmpfs && to.quiet.piece_in_flight() {
-            // `p .. p + len` is region memory that reading never faults
-            // into the monitor (see below); the destination is a cluster
-            // of the open image, which is never shrunk below its
-            // allocated clusters nor has holes punched.
-            // SAFETY: so `p` is valid for reads of `len` bytes and the
-            // destination stays in the file.
-            if unsafe { pcow::io::store_through_mapping(fd, p, len as usize, file_offset + from) } {
-                return Ok(());
-            }
-        }
-        to.quiet.settle();
         let mut done = 0u64;
         while done < len {
             let off = libc::off_t::try_from(file_offset + from + done)

@@ -275,8 +275,7 @@ impl Quiet {
     /// Waits for the worker's piece in flight, if any: after it, a
     /// `pwrite` to the image does not wait for the worker (it starts no
     /// new piece while this lives). A barrier settles before it holds the
-    /// writers, so that they do not wait for the piece too; on tmpfs, where
-    /// its copy stores through a mapping, only before a `pwrite`.
+    /// writers, so that they do not wait for the piece too.
     pub(crate) fn settle(&self) {
         if let Some(c) = &self.0 {
             if !c.settle(SETTLE_WAIT) {
@@ -310,6 +309,16 @@ struct Worker {
 /// under the nested sandbox's emulation, a piece of 256 KiB an eighth of
 /// that. Smaller pieces cost the worker more calls, not more work.
 const RESERVE_PIECE: u64 = 256 << 10;
+
+/// The shortest piece a commit writes beside instead of waiting for
+/// ([`PoolCtl::long_pieces`]). A store through a mapping costs 4-6 times a
+/// `pwrite` of a page (27 against 6 us on this host's tmpfs, 230 against
+/// 40 us in the nested sandbox's L1: `pcow/examples/beside_fallocate.rs`);
+/// reserving 2 MiB of tmpfs takes 0.35-0.75 ms here, 256 KiB an eighth of
+/// that, which a write that waits for only part of it costs about as
+/// much (docs/pmem-benchmarks.md, "Commits beside the pool worker's
+/// piece").
+const LONG_PIECE: u64 = 1 << 20;
 
 /// The worker's piece for clusters of `cs` bytes: [`RESERVE_PIECE`], or
 /// one cluster when a cluster is larger (the image takes whole clusters).
@@ -684,6 +693,13 @@ impl PoolCtl {
         image.set_pool_clusters(grown);
     }
 
+    /// Whether the worker's pieces are long enough to write beside them
+    /// rather than wait for them ([`pcow::Commit::beside_fallocate`]): at
+    /// least [`LONG_PIECE`] bytes.
+    pub(crate) fn long_pieces(&self) -> bool {
+        piece_bytes(self.cs) >= LONG_PIECE
+    }
+
     /// Keeps the worker from starting a new piece of a refill until the
     /// guard drops: a barrier's writes to the file then wait for at most
     /// the piece in flight, not for a whole refill.
@@ -810,5 +826,20 @@ mod tests {
         // Not a power of two (the format refuses it; the worker still
         // hands out whole clusters).
         assert_eq!(piece_bytes(96 << 10), 192 << 10);
+    }
+
+    #[test]
+    fn only_clusters_of_a_mebibyte_or_more_make_long_pieces() {
+        for (shift, long) in [
+            (12, false),
+            (16, false),
+            (19, false),
+            (20, true),
+            (21, true),
+        ] {
+            let cs = 1u64 << shift;
+            let pool = super::PoolCtl::new(&super::PoolOptions::default(), cs, 4, None);
+            assert_eq!(pool.long_pieces(), long, "cluster {cs}");
+        }
     }
 }

@@ -15,9 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pcow::{Image, OpenOptions};
-use virtio_pmem_pcow::{
-    Monitor, PcowRegion, PmemDevice, PoolStatus, Quiesce, RegionOptions, WriteGate,
-};
+use virtio_pmem_pcow::{Monitor, PcowRegion, PmemDevice, Quiesce, RegionOptions, WriteGate};
 
 /// A 3-deep chain: raw base0 (short, ends mid-page) <- base1.pcow <-
 /// top.pcow (with a snapshot). Returns the top path and the model of the
@@ -791,96 +789,4 @@ fn a_preallocated_image_is_mapped_shared_and_writes_take_no_fault() {
     rig.close();
     same(&reopen_read(&path), &model, "reopened");
     check_clean(&path);
-}
-
-/// On tmpfs a barrier whose copy meets the pool worker in a piece stores
-/// through a mapping, and its commit always does: the worker's `fallocate`
-/// holds the inode lock for the whole call, and a `pwrite` would wait for
-/// it with the writers held. Here the worker's piece is held up by a long
-/// `fallocate` of the image file from outside (1 GiB of tmpfs, about
-/// 0.2 s), which the barrier must not wait for either.
-#[test]
-fn on_tmpfs_a_barrier_does_not_wait_for_the_pool_workers_piece() {
-    let test = "on_tmpfs_a_barrier_does_not_wait_for_the_pool_workers_piece";
-    if !uffd_or_skip(test) {
-        return;
-    }
-    let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
-        eprintln!("SKIPPED {test}: no /dev/shm");
-        return;
-    };
-    let path = dir.path().join("img.pcow");
-    let mut img = create(&path, 256 * K64, K64, None);
-    for c in 0..16 {
-        img.write_at(&[1; 4096], c * K64).unwrap();
-    }
-    img.snapshot_create("s").unwrap();
-    img.close().unwrap();
-    // 64 clusters in the pool, a refill asked for when 16 are used.
-    let rig = Rig::open(&path, &one_cluster_per_fault()).unwrap();
-    let pool = || rig.region.status().unwrap().pool;
-    let wait_for = |what: &str, ok: &dyn Fn(&PoolStatus) -> bool| {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let p = pool();
-            if ok(&p) {
-                return p;
-            }
-            assert!(Instant::now() < deadline, "{what}: {p:?}");
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    };
-    let full = wait_for("the pool did not fill", &|p| {
-        p.free_clusters >= 64 && !p.in_flight
-    });
-    // Copy-on-write over the snapshot: pages the barrier copies.
-    for c in 0..16 {
-        rig.write(c * K64 + 100, &[7]);
-    }
-
-    let other = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    let end = other.metadata().unwrap().len();
-    let done = Arc::new(AtomicBool::new(false));
-    let d = done.clone();
-    let reserver = std::thread::spawn(move || {
-        let t = Instant::now();
-        let r = pcow::io::allocate_file(&other, end + (64 << 20), 1 << 30);
-        d.store(true, Ordering::SeqCst);
-        r.map(|()| t.elapsed())
-    });
-    std::thread::sleep(Duration::from_millis(10));
-    // First writes into holes use a quarter of the pool: the worker's
-    // refill starts, and its `fallocate` waits behind the one above.
-    for c in 100..120 {
-        rig.write(c * K64, &[8]);
-    }
-    wait_for("no refill asked for", &|p| p.in_flight);
-    std::thread::sleep(Duration::from_millis(10));
-    assert!(
-        !done.load(Ordering::SeqCst),
-        "the fallocate ended within 20 ms: too fast for this test"
-    );
-    let t = Instant::now();
-    let stats = rig.region.barrier().unwrap();
-    let took = t.elapsed();
-    let waited = done.load(Ordering::SeqCst);
-    let reserving = reserver.join().unwrap().unwrap();
-    // Waiting would have taken what was left of the reservation, well
-    // over half of it; the `done` flag alone can be late.
-    assert!(
-        !waited && took * 2 < reserving,
-        "the barrier waited for the fallocate in flight ({took:?} of {reserving:?}, {stats:?}, pool before {full:?})"
-    );
-    assert_eq!(stats.clusters_copied, 16, "{stats:?}");
-
-    rig.close();
-    let v = reopen_read(&path);
-    for c in 0..16u64 {
-        let at = (c * K64) as usize;
-        assert_eq!(v[at + 100], 7, "cluster {c}");
-        assert_eq!(v[at + 101], 1, "cluster {c}");
-    }
-    for c in 100..120u64 {
-        assert_eq!(v[(c * K64) as usize], 8, "cluster {c}");
-    }
 }

@@ -578,3 +578,86 @@ fn a_barrier_whose_log_names_only_shared_pages_holds_no_writer() {
     assert!(!s.unheld, "{s:?}");
     close_and_compare(rig, &top, &model, "after all barriers");
 }
+
+/// On tmpfs with clusters of 2 MiB (the pool worker's pieces are whole
+/// clusters), a FLUSH whose commit meets the worker in a piece writes its
+/// metadata beside it instead of waiting for the inode lock, which the
+/// worker's `fallocate` holds for the whole call. The worker's piece is
+/// held up here behind a long `fallocate` of the image file from outside
+/// (1 GiB of tmpfs, about 0.2 s), which the FLUSH must not wait for
+/// either.
+#[test]
+fn on_tmpfs_a_flush_commits_beside_the_pool_workers_piece() {
+    const CS: u64 = 2 << 20;
+    let test = "on_tmpfs_a_flush_commits_beside_the_pool_workers_piece";
+    if !uffd_or_skip(test) {
+        return;
+    }
+    let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+        eprintln!("SKIPPED {test}: no /dev/shm");
+        return;
+    };
+    let path = dir.path().join("img.pcow");
+    create(&path, 32 * CS, CS, None).close().unwrap();
+    let mut model = vec![0u8; (32 * CS) as usize];
+    let opts = RegionOptions {
+        pool_clusters: Some(4),
+        ..RegionOptions::default()
+    };
+    let (rig, log) = with_log(&path, &opts);
+    log.unheld.store(true, Ordering::Relaxed);
+    // The first barrier after attaching scans; the log from then on.
+    w(&rig, &log, &mut model, 5, 1, 100);
+    rig.region.barrier().unwrap();
+    let pool = || rig.region.status().unwrap().pool;
+    let wait_for = |what: &str, ok: &dyn Fn(&virtio_pmem_pcow::PoolStatus) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let p = pool();
+            if ok(&p) {
+                return p;
+            }
+            assert!(Instant::now() < deadline, "{what}: {p:?}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    wait_for("the pool did not fill", &|p| {
+        p.free_clusters >= 4 && !p.in_flight
+    });
+
+    let other = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let end = other.metadata().unwrap().len();
+    let done = Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    let reserver = std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = pcow::io::allocate_file(&other, end + (64 << 20), 1 << 30);
+        d.store(true, Ordering::SeqCst);
+        r.map(|()| t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(10));
+    // First writes into holes use the pool: the worker's refill starts,
+    // and its `fallocate` waits behind the one above.
+    for c in 10..12 {
+        w(&rig, &log, &mut model, c * CS + 7, c, 10);
+    }
+    wait_for("no refill asked for", &|p| p.in_flight);
+    std::thread::sleep(Duration::from_millis(10));
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "the fallocate ended within 20 ms: too fast for this test"
+    );
+    let t = Instant::now();
+    let stats = rig.region.barrier().unwrap();
+    let took = t.elapsed();
+    let waited = done.load(Ordering::SeqCst);
+    let reserving = reserver.join().unwrap().unwrap();
+    assert!(stats.unheld, "{stats:?}");
+    // Waiting would have taken what was left of the reservation, well
+    // over half of it; the `done` flag alone can be late.
+    assert!(
+        !waited && took * 2 < reserving,
+        "the FLUSH waited for the fallocate in flight ({took:?} of {reserving:?}, {stats:?})"
+    );
+    close_and_compare(rig, &path, &model, "after the FLUSH beside the piece");
+}
