@@ -234,12 +234,12 @@ pub unsafe fn store_through_mapping(fd: RawFd, src: *const u8, len: usize, offse
     if unsafe { libc::madvise(map.addr, map_len, libc::MADV_POPULATE_WRITE) } != 0 {
         return false;
     }
-    // SAFETY: the destination, `len` bytes from `offset - start` into the
-    // mapping, lies inside it (`end <= start + map_len`); each of its pages
-    // is inside the file (`end` is not past the file's length, which the
-    // caller keeps) and was just made present and writable, so the store
-    // raises no SIGBUS; the mapping is this function's alone, so nothing
-    // aliases it; the caller vouches for `src`.
+    // The destination, `len` bytes from `offset - start` into the mapping,
+    // lies inside it (`end <= start + map_len`); each of its pages is
+    // inside the file (`end` is not past the file's length, which the
+    // caller keeps) and was just made present and writable.
+    // SAFETY: so the store raises no SIGBUS; the mapping is this
+    // function's alone, so nothing aliases it; the caller vouches for `src`.
     unsafe {
         std::ptr::copy_nonoverlapping(
             src,
