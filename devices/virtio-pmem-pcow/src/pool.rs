@@ -313,10 +313,10 @@ const RESERVE_PIECE: u64 = 256 << 10;
 /// The shortest piece a commit writes beside instead of waiting for
 /// ([`PoolCtl::long_pieces`]). A store through a mapping costs 4-6 times a
 /// `pwrite` of a page (27 against 6 us on this host's tmpfs, 230 against
-/// 40 us in the nested sandbox's L1: `pcow/examples/beside_fallocate.rs`);
-/// reserving 2 MiB of tmpfs takes 0.35-0.75 ms here, 256 KiB an eighth of
-/// that, which a write that waits for only part of it costs about as
-/// much (docs/pmem-benchmarks.md, "Commits beside the pool worker's
+/// 40 us in the nested sandbox's L1: `pcow/examples/beside_fallocate.rs`).
+/// Reserving 2 MiB of tmpfs takes 0.35-0.75 ms here; waiting for the rest
+/// of a 256 KiB piece, an eighth of that, costs about what the mapping
+/// does (docs/pmem-benchmarks.md, "Commits beside the pool worker's
 /// piece").
 const LONG_PIECE: u64 = 1 << 20;
 
