@@ -188,6 +188,13 @@ struct ChanState {
     done: Vec<Done>,
 }
 
+impl ChanState {
+    /// The worker is in a piece and not stopped.
+    fn in_piece(&self) -> bool {
+        self.reserving && !self.stop
+    }
+}
+
 /// Between the device and its worker thread.
 #[derive(Debug, Default)]
 struct Chan {
@@ -236,7 +243,7 @@ impl Chan {
     fn settle(&self, bound: Duration) -> bool {
         let deadline = Instant::now() + bound;
         let mut s = self.lock();
-        while s.reserving && !s.stop {
+        while s.in_piece() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
@@ -266,10 +273,7 @@ impl Quiet {
     /// inode lock). While this lives no new piece starts, so once false it
     /// stays false.
     pub(crate) fn piece_in_flight(&self) -> bool {
-        self.0.as_ref().is_some_and(|c| {
-            let s = c.lock();
-            s.reserving && !s.stop
-        })
+        self.0.as_ref().is_some_and(|c| c.lock().in_piece())
     }
 
     /// Waits for the worker's piece in flight, if any: after it, a
