@@ -18,7 +18,7 @@ use crate::mapping::{
 };
 use crate::pagemap::{PageScanner, PagemapError};
 use crate::plan::{plan, Plan, RunKind};
-use crate::pool::{default_pool_bytes, PoolCtl, PoolOptions};
+use crate::pool::{default_pool_clusters, PoolCtl, PoolOptions};
 use crate::state::{Counters, RegionState, Writable};
 use crate::uffd::{Uffd, UffdError};
 use crate::view::View;
@@ -85,7 +85,7 @@ pub struct RegionOptions {
     pub pagemap_read_fallback: bool,
     /// Clusters the image pre-allocates (fallocate) ahead of the last one
     /// in use, see [`pcow::Image::set_pool_clusters`]; `None` is
-    /// [`crate::pool::default_pool_bytes`] of the image's size. The pool's
+    /// [`crate::pool::default_pool_clusters`] of the image's size. The pool's
     /// worker refills it; without one, the write fault that runs out does
     /// (about 1.1 ms for 4 MiB on tmpfs).
     pub pool_clusters: Option<u64>,
@@ -172,7 +172,7 @@ pub(crate) fn build(
     let mut image = LiveImage::new(image)?;
     let pool_clusters = opts
         .pool_clusters
-        .unwrap_or((default_pool_bytes(size) / cs).max(1));
+        .unwrap_or_else(|| default_pool_clusters(size, cs));
     image.set_pool_clusters(pool_clusters);
     // Every active cluster whole, so each maps shared as one piece.
     image.complete_active_clusters()?;

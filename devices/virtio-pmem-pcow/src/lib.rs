@@ -116,7 +116,7 @@ pub use health::{is_out_of_space, Failure};
 pub use mapping::{max_map_count, MapsError, VMA_MARGIN};
 pub use monitor_thread::{MonitorReport, MonitorThread};
 pub use overlay::{OverlayError, OverlayInfo};
-pub use pool::{default_pool_bytes, PoolOptions, PoolStatus};
+pub use pool::{default_pool_clusters, PoolOptions, PoolStatus, DEFAULT_POOL_MIN_CLUSTERS};
 pub use quiesce::{GateEntry, Quiesce, QuiesceError, WriteGate};
 pub use raw::{RawError, RawRegion};
 pub use region::{PcowRegion, PmemBackend, Status};

@@ -69,10 +69,11 @@ pub(crate) struct ReserveError {
     source: io::Error,
 }
 
-/// The smallest default pool (the library's pool size).
+/// The smallest default pool in bytes (the library's pool size).
 pub const DEFAULT_POOL_MIN_BYTES: u64 = 4 << 20;
 
-/// The largest default pool.
+/// The largest default pool in bytes, unless [`DEFAULT_POOL_MIN_CLUSTERS`]
+/// needs more.
 pub const DEFAULT_POOL_MAX_BYTES: u64 = 64 << 20;
 
 /// What a write fault that finds the pool empty reserves beyond its own
@@ -96,13 +97,30 @@ const SETTLE_WAIT: Duration = Duration::from_secs(2);
 /// find it dry.
 pub(crate) const MAX_GROWTH: u64 = 4;
 
-/// Bytes a device of `virtual_size` pre-allocates by default: a sixteenth
-/// of the device, between 4 and 64 MiB. A pool of a few clusters does not
-/// outlast a burst of first writes while the worker reserves the next
-/// range (with 2 MiB clusters, 4 MiB is two of them); the pool costs its
-/// size in the file (on tmpfs, in memory) until the image closes.
-pub fn default_pool_bytes(virtual_size: u64) -> u64 {
-    (virtual_size / 16).clamp(DEFAULT_POOL_MIN_BYTES, DEFAULT_POOL_MAX_BYTES)
+/// The fewest clusters a default pool holds, unless that is more than a
+/// quarter of the device (what a default pool may deepen to anyway:
+/// [`MAX_GROWTH`] times a sixteenth). A burst of first writes is counted
+/// in faults, not bytes: `mkfs.ext4` of a 64 GiB device writes into 48
+/// clusters of 2 MiB scattered over it, a writer that touches one byte per
+/// cluster takes one every 60 µs here, and the worker reserves a 2 MiB
+/// cluster on tmpfs in 0.35 ms. With 2 MiB clusters the 64 MiB cap is 32
+/// clusters: a burst of 64 ran it dry before the worker had reserved ten,
+/// and 16-35 of its faults waited 0.5-0.9 ms each for the worker
+/// (docs/pmem-benchmarks.md, "A pool of at least 64 clusters").
+pub const DEFAULT_POOL_MIN_CLUSTERS: u64 = 64;
+
+/// Clusters a device of `virtual_size` with clusters of `cluster_size`
+/// pre-allocates by default: a sixteenth of the device, between 4 and
+/// 64 MiB, and at least [`DEFAULT_POOL_MIN_CLUSTERS`] where those are at
+/// most a quarter of the device. A pool of a few clusters does not outlast
+/// a burst of first writes while the worker reserves the next range; the
+/// pool costs its size in the file (on tmpfs, in memory) until the image
+/// closes.
+pub fn default_pool_clusters(virtual_size: u64, cluster_size: u64) -> u64 {
+    let cs = cluster_size.max(1);
+    let bytes = (virtual_size / 16).clamp(DEFAULT_POOL_MIN_BYTES, DEFAULT_POOL_MAX_BYTES);
+    let fewest = DEFAULT_POOL_MIN_CLUSTERS.min(virtual_size / 4 / cs);
+    (bytes / cs).max(fewest).max(1)
 }
 
 /// How a device keeps its pool of pre-allocated clusters.
@@ -764,7 +782,7 @@ impl Drop for PoolCtl {
 
 #[cfg(test)]
 mod tests {
-    use super::{piece_bytes, Chan, Done, Quiet, RESERVE_PIECE};
+    use super::{default_pool_clusters, piece_bytes, Chan, Done, Quiet, RESERVE_PIECE};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
@@ -774,6 +792,38 @@ mod tests {
             len: 0,
             result: Ok(()),
             last: false,
+        }
+    }
+
+    #[test]
+    fn a_default_pool_holds_a_sixteenth_and_at_least_64_clusters_within_a_quarter() {
+        const K64: u64 = 64 << 10;
+        const M2: u64 = 2 << 20;
+        const GIB: u64 = 1 << 30;
+        // (device, cluster) -> clusters
+        for (size, cs, want) in [
+            // A sixteenth between 4 and 64 MiB, as before, where that is
+            // 64 clusters or more.
+            (GIB, K64, 1024),
+            (64 * GIB, K64, 1024),
+            (64 << 20, K64, 64),
+            // 2 MiB clusters: 64 of them (128 MiB), not the 32 of 64 MiB.
+            (GIB, M2, 64),
+            (64 * GIB, M2, 64),
+            // ... unless that is more than a quarter of the device.
+            (256 << 20, M2, 32),
+            (64 << 20, M2, 8),
+            (4 << 20, M2, 2),
+            // Never empty, whatever the sizes.
+            (2 << 20, M2, 2),
+            (0, M2, 2),
+            (GIB, 0, 64 << 20),
+        ] {
+            assert_eq!(
+                default_pool_clusters(size, cs),
+                want,
+                "device {size} clusters of {cs}"
+            );
         }
     }
 
