@@ -593,8 +593,8 @@ fn create_image(path: &Path, cs: u64, size: Option<u64>, base: Option<&str>) -> 
 /// How an expansion region gets its clusters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pool {
-    /// The device's default: a sixteenth of the device, refilled by the
-    /// worker thread.
+    /// The device's default (`default_pool_clusters`: a sixteenth of the
+    /// device, at least 64 clusters), refilled by the worker thread.
     Worker,
     /// The same pool refilled inside the write fault that runs it dry.
     Inline,
