@@ -283,7 +283,13 @@ pub(crate) fn build(
     };
     let zero_budget = opts.zero_budget.unwrap_or(DEFAULT_ZERO_BUDGET);
     let tracking = Tracking::start(&view, scanner, zero_budget, !opts.pagemap_read_fallback);
-    let mut pool = PoolCtl::new(pool_opts, cs, pool_clusters, opts.thread_hook.clone());
+    let mut pool = PoolCtl::new(
+        pool_opts,
+        cs,
+        pool_clusters,
+        size / cs,
+        opts.thread_hook.clone(),
+    );
     if let Err(e) = pool.start(&image) {
         log::warn!("no pre-allocation worker ({e}), the pool refills inline");
     }

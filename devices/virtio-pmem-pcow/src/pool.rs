@@ -26,7 +26,8 @@
 //! serialize `fallocate` calls on one file (tmpfs and ext4 hold the inode
 //! lock across the call), so the fault's own `fallocate` would wait for the
 //! worker's piece anyway and then pay its own on top. Such a fault also
-//! doubles the pool, up to [`MAX_GROWTH`] times its configured size: a
+//! doubles the pool, up to [`MAX_GROWTH`] times its configured size and
+//! at most a quarter of the device ([`growth_limit`]): a
 //! guest whose first writes outrun the worker gets a deeper pool for its
 //! next burst (on tmpfs, reserving 2 MiB allocates 512 pages, about 0.75 ms
 //! here, while a fault that maps a reserved cluster takes 0.03-0.1 ms).
@@ -94,8 +95,21 @@ pub(crate) const PIECE_WAIT: Duration = Duration::from_millis(10);
 const SETTLE_WAIT: Duration = Duration::from_secs(2);
 
 /// How many times its configured size the pool may grow to when faults
-/// find it dry.
+/// find it dry (at most a quarter of the device: [`growth_limit`]).
 pub(crate) const MAX_GROWTH: u64 = 4;
+
+/// The most a pool of `pool_clusters` grows to on a device of
+/// `device_clusters`: [`MAX_GROWTH`] times its size, and no more than a
+/// quarter of the device unless it starts larger. A default pool of a
+/// sixteenth deepens to a quarter; one that [`DEFAULT_POOL_MIN_CLUSTERS`]
+/// starts deeper (large clusters) deepens to a quarter too, so the most a
+/// pool holds (on tmpfs, in memory) is what it was before that minimum.
+pub(crate) fn growth_limit(pool_clusters: u64, device_clusters: u64) -> u64 {
+    pool_clusters
+        .saturating_mul(MAX_GROWTH)
+        .min(device_clusters / 4)
+        .max(pool_clusters)
+}
 
 /// The fewest clusters a default pool holds, unless that is more than a
 /// quarter of the device (what a default pool may deepen to anyway:
@@ -159,7 +173,8 @@ pub struct PoolStatus {
     /// A worker thread refills the pool.
     pub worker: bool,
     /// Clusters the pool holds when full: the configured size, doubled
-    /// each time a write fault found the pool dry, up to four times it.
+    /// each time a write fault found the pool dry, up to four times it (and
+    /// at most a quarter of the device, unless configured larger).
     pub pool_clusters: u64,
     /// Reserved clusters not yet used (at least; exact unless the pool was
     /// shrunk).
@@ -445,8 +460,7 @@ pub(crate) struct PoolCtl {
     in_flight: bool,
     cs: u64,
     pool_clusters: u64,
-    /// The most `pool_clusters` grows to ([`MAX_GROWTH`] times the
-    /// configured size).
+    /// The most `pool_clusters` grows to ([`growth_limit`]).
     max_clusters: u64,
     /// Clusters used before a refill is requested; a quarter of the pool
     /// unless the options set it.
@@ -466,7 +480,8 @@ pub(crate) struct PoolCtl {
 }
 
 impl PoolCtl {
-    /// A pool for clusters of `cs` bytes, `pool_clusters` of them when full.
+    /// A pool for clusters of `cs` bytes, `pool_clusters` of them when full,
+    /// on a device of `device_clusters`.
     /// Creates the eventfd (stable across worker restarts: the VMM
     /// registers it once); the worker starts with [`PoolCtl::start`].
     /// Without an eventfd (logged) the pool refills inline.
@@ -474,6 +489,7 @@ impl PoolCtl {
         opts: &PoolOptions,
         cs: u64,
         pool_clusters: u64,
+        device_clusters: u64,
         hook: Option<ThreadHook>,
     ) -> PoolCtl {
         let efd = match opts
@@ -493,7 +509,7 @@ impl PoolCtl {
             in_flight: false,
             cs,
             pool_clusters,
-            max_clusters: pool_clusters.saturating_mul(MAX_GROWTH),
+            max_clusters: growth_limit(pool_clusters, device_clusters),
             low_water: opts
                 .low_water
                 .unwrap_or(pool_clusters / 4)
@@ -700,7 +716,7 @@ impl PoolCtl {
         }
     }
 
-    /// Doubles the pool (up to [`MAX_GROWTH`] times its configured size):
+    /// Doubles the pool (up to [`growth_limit`]):
     /// a fault found it dry.
     fn grow(&mut self, image: &mut LiveImage) {
         let grown = self.pool_clusters.saturating_mul(2).min(self.max_clusters);
@@ -782,7 +798,9 @@ impl Drop for PoolCtl {
 
 #[cfg(test)]
 mod tests {
-    use super::{default_pool_clusters, piece_bytes, Chan, Done, Quiet, RESERVE_PIECE};
+    use super::{
+        default_pool_clusters, growth_limit, piece_bytes, Chan, Done, Quiet, RESERVE_PIECE,
+    };
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
@@ -824,6 +842,28 @@ mod tests {
                 want,
                 "device {size} clusters of {cs}"
             );
+        }
+    }
+
+    #[test]
+    fn a_pool_deepens_to_four_times_its_size_within_a_quarter_of_the_device() {
+        // (pool, device) -> most
+        for (pool, device, most) in [
+            // A sixteenth of the device: four times it is a quarter.
+            (1024, 16384, 4096),
+            (32, 512, 128),
+            // 64 clusters of 2 MiB on 1 GiB: a quarter, as a sixteenth
+            // deepened to before.
+            (64, 512, 128),
+            // A small pool on a large device: four times.
+            (1, 32, 4),
+            (64, 32768, 256),
+            // Configured larger than a quarter: it keeps its size.
+            (300, 512, 300),
+            (8, 8, 8),
+            (1, 0, 1),
+        ] {
+            assert_eq!(growth_limit(pool, device), most, "pool {pool} of {device}");
         }
     }
 
@@ -892,7 +932,7 @@ mod tests {
             (21, true),
         ] {
             let cs = 1u64 << shift;
-            let pool = super::PoolCtl::new(&super::PoolOptions::default(), cs, 4, None);
+            let pool = super::PoolCtl::new(&super::PoolOptions::default(), cs, 4, 1 << 20, None);
             assert_eq!(pool.long_pieces(), long, "cluster {cs}");
         }
     }
