@@ -223,15 +223,7 @@ fn a_window_takes_only_what_the_pool_holds() {
     // The worker fills the pool after the open; a first fault before that
     // finds it dry and deepens it (seen under load: 16 clusters, 11 taken
     // ahead), which is another test's matter.
-    let t = std::time::Instant::now();
-    loop {
-        let p = rig.region.status().unwrap().pool;
-        if !p.in_flight && p.free_clusters == 8 {
-            break;
-        }
-        assert!(t.elapsed().as_secs() < 10, "the pool never filled: {p:?}");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    assert_eq!(wait_pool_full(&rig.region).pool.pool_clusters, 8);
     rig.write(0, b"a");
     rig.write(K64, b"b");
     let st = rig.region.status().unwrap();

@@ -440,19 +440,7 @@ fn wait_idle(rig: &Rig) {
 
 /// Waits until the pool is full (the worker's refill was taken).
 fn wait_pool_full(rig: &Rig) -> Status {
-    let t = Instant::now();
-    loop {
-        let st = rig.status();
-        if !st.pool.in_flight && st.pool.free_clusters == st.pool.pool_clusters {
-            return st;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "the pool never filled: {:?}",
-            st.pool
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    common::wait_pool_full(&rig.region)
 }
 
 #[test]

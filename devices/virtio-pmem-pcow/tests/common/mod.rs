@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use pcow::{BaseFormat, BaseRef, CreateOptions, Image, OpenOptions};
 use virtio_pmem_pcow::Uffd;
 use virtio_pmem_pcow::{
-    Monitor, MonitorReport, MonitorThread, PcowRegion, RegionError, RegionOptions, WriteGate,
+    Monitor, MonitorReport, MonitorThread, PcowRegion, RegionError, RegionOptions, Status,
+    WriteGate,
 };
 
 pub const K64: u64 = 64 << 10;
@@ -224,6 +225,24 @@ pub fn one_cluster_per_fault() -> RegionOptions {
     RegionOptions {
         expand_window: Some(0),
         ..RegionOptions::default()
+    }
+}
+
+/// Waits until `region`'s pool is full (the worker's refill was taken),
+/// at most 10 s; returns the status that showed it.
+pub fn wait_pool_full(region: &PcowRegion) -> Status {
+    let t = std::time::Instant::now();
+    loop {
+        let st = region.status().expect("status");
+        if !st.pool.in_flight && st.pool.free_clusters == st.pool.pool_clusters {
+            return st;
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "the pool never filled: {:?}",
+            st.pool
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
